@@ -1,0 +1,84 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM plugin: route gfx950 sparse-indexer decode logits to aiter's FlyDSL kernel.
+
+vLLM calls :func:`register` (entry point ``vllm.general_plugins:
+flydsl_indexer``) once in every process. It evaluates the gates in
+:mod:`vllm_flydsl_indexer.gates`, installs the patch of
+:mod:`vllm_flydsl_indexer.patch` when all pass, and logs one line saying which
+arm is active and why. It never raises: any failure leaves vLLM as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__version__ = "0.1.0"
+
+_registered = False
+
+
+def _register_environment_variables() -> None:
+    """Make vLLM's environment validation know the plugin's variables."""
+    import os
+    import sys
+
+    from vllm_flydsl_indexer import envs
+
+    vllm_envs = sys.modules.get("vllm.envs")
+    if vllm_envs is None:
+        return
+    table = getattr(vllm_envs, "environment_variables", None)
+    if not isinstance(table, dict):
+        return
+    for name in envs.ALL_VARIABLES:
+        table.setdefault(name, lambda name=name: os.environ.get(name))
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point. Cheap, idempotent, never raises."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from vllm_flydsl_indexer._logging import get_logger
+
+    logger = get_logger(__name__)
+    try:
+        _register_environment_variables()
+        _register(logger)
+    except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
+        logger.warning(
+            "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: "
+            "unexpected %s during registration: %s)", type(e).__name__, e,
+        )
+
+
+def _register(logger: logging.Logger) -> None:
+    from vllm_flydsl_indexer import envs
+
+    switch = envs.read_flag(envs.SWITCH)
+    if not switch.enabled:
+        # Off: import nothing more and patch nothing.
+        reason = switch.error or f"{envs.SWITCH} is not set to 1"
+        level = logging.WARNING if switch.error else logging.INFO
+        logger.log(level, "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: %s)", reason)
+        return
+
+    from vllm_flydsl_indexer import gates
+
+    decision = gates.evaluate()
+    if decision.active:
+        from vllm_flydsl_indexer import patch
+
+        verifier = None
+        if decision.verify:
+            from vllm_flydsl_indexer.agreement import make_verifier
+
+            verifier = make_verifier()
+        assert decision.target_module is not None and decision.kernel is not None
+        patch.install(decision.target_module, decision.kernel, logger, verifier)
+    line = decision.log_line()
+    if decision.warnings:
+        logger.warning("%s [%s]", line, "; ".join(decision.warnings))
+    else:
+        logger.info("%s", line)

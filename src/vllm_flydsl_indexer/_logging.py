@@ -1,0 +1,27 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Logger that is vLLM's when vLLM is importable, plus once-only helpers."""
+
+from __future__ import annotations
+
+import logging
+
+_seen: set[tuple[int, str]] = set()
+
+
+def get_logger(name: str) -> logging.Logger:
+    """``vllm.logger.init_logger(name)`` when vLLM is installed, else stdlib."""
+    try:
+        from vllm.logger import init_logger
+    except ImportError:
+        return logging.getLogger(name)
+    return init_logger(name)
+
+
+def log_once(logger: logging.Logger, level: int, msg: str, *args: object) -> None:
+    """Log ``msg % args`` once per process for each distinct formatted text."""
+    text = msg % args if args else msg
+    key = (level, text)
+    if key in _seen:
+        return
+    _seen.add(key)
+    logger.log(level, "%s", text)

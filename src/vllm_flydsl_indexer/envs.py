@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Environment variables of the plugin, parsed once per process."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
+SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
+# Let a vLLM newer than the tested window through the version gate. The
+# target-signature gate still applies.
+ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
+# Per-process canary: compare both arms on the first eligible call.
+VERIFY = "VLLM_FLYDSL_INDEXER_VERIFY"
+
+ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY)
+ACCEPTED = ("1", "0", "true", "false")
+
+_TRUE = {"1", "true"}
+_FALSE = {"0", "false", ""}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A parsed boolean variable: its value and, if it did not parse, why."""
+
+    name: str
+    raw: str | None
+    enabled: bool
+    error: str | None = None
+
+
+def read_flag(name: str, environ: dict[str, str] | None = None) -> Flag:
+    """Parse ``name`` as ``1``/``0``/``true``/``false`` (case-insensitive).
+
+    Unset or empty is off. Any other value is off, with an error that names
+    the variable and the accepted values.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    value = (raw or "").strip().lower()
+    if value in _TRUE:
+        return Flag(name, raw, True)
+    if value in _FALSE:
+        return Flag(name, raw, False)
+    return Flag(
+        name,
+        raw,
+        False,
+        f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (case-insensitive); "
+        "treating it as 0",
+    )

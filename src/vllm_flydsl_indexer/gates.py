@@ -1,0 +1,205 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The gates that decide whether the FlyDSL arm can be installed, in order.
+
+1. the switch; 2. the vLLM version window; 3. ROCm; 4. gfx950; 5. the
+kernel; 6. the target's signature. The first gate that fails is the reason.
+``register()`` and ``doctor`` both call :func:`evaluate`, so the log line and
+the doctor report never disagree. Nothing here raises.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from vllm_flydsl_indexer import envs
+from vllm_flydsl_indexer.kernel_lookup import find_kernel
+
+TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
+TARGET_NAME = "rocm_fp8_paged_mqa_logits"
+# The signature this package was written against (vLLM 0.32.0 and 0.33.0).
+TARGET_POSITIONAL = (
+    "q_fp8",
+    "kv_cache_fp8",
+    "weights",
+    "context_lens",
+    "block_tables",
+    "schedule_metadata",
+    "max_model_len",
+)
+TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
+# Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
+SUPPORTED_VLLM = ((0, 32), (0, 33))
+
+
+@dataclass(frozen=True)
+class Gate:
+    name: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class Decision:
+    """The outcome: whether FlyDSL is active, the one reason, and every gate."""
+
+    active: bool
+    reason: str
+    gates: list[Gate] = field(default_factory=list)
+    kernel: Callable | None = None
+    kernel_location: str | None = None
+    target_module: ModuleType | None = None
+    verify: bool = False
+    warnings: list[str] = field(default_factory=list)
+
+    def log_line(self) -> str:
+        if self.active:
+            return (
+                "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE "
+                f"({self.kernel_location} replaces {TARGET_MODULE}.{TARGET_NAME} "
+                "for eligible decode calls"
+                f"{'; verify-on-enable on' if self.verify else ''})"
+            )
+        return f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {self.reason})"
+
+
+def parse_version(text: str) -> tuple[int, int] | None:
+    m = re.match(r"^\s*(\d+)\.(\d+)", text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def vllm_version() -> str | None:
+    """vLLM's version from package metadata (no ``import vllm``)."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_version(version: str | None, allow_untested: bool) -> Gate:
+    if version is None:
+        return Gate("vllm", False, "vLLM is not installed")
+    parsed = parse_version(version)
+    low, high = SUPPORTED_VLLM
+    window = f"{low[0]}.{low[1]}.x-{high[0]}.{high[1]}.x"
+    if parsed is None:
+        return Gate("vllm", False, f"vLLM version {version!r} is unreadable")
+    if low <= parsed <= high:
+        return Gate("vllm", True, f"vLLM {version} is inside the tested window {window}")
+    if allow_untested and parsed > high:
+        return Gate(
+            "vllm", True,
+            f"vLLM {version} is outside the tested window {window}; allowed by {envs.ALLOW_UNTESTED_VLLM}=1",
+        )
+    return Gate(
+        "vllm", False,
+        f"vLLM {version} is outside the tested window {window}"
+        + (f" (set {envs.ALLOW_UNTESTED_VLLM}=1 to try a newer one)" if parsed > high else ""),
+    )
+
+
+def signature_problem(fn: object) -> str | None:
+    """Why ``fn`` does not have the target signature, or ``None``."""
+    if not callable(fn):
+        return f"{TARGET_NAME} is missing"
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as e:
+        return f"signature unreadable ({e})"
+    positional = tuple(
+        p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    )
+    keyword_only = {
+        p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    others = [p.name for p in params if p.kind not in (
+        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or others:
+        return f"signature {inspect.signature(fn)} differs from the one this package supports"
+    return None
+
+
+def _check_platform() -> tuple[Gate, Gate]:
+    try:
+        from vllm.platforms import current_platform
+
+        is_rocm = bool(current_platform.is_rocm())
+    except Exception as e:  # noqa: BLE001 - report, never raise into vLLM
+        return Gate("rocm", False, f"vLLM platform unavailable ({type(e).__name__}: {e})"), Gate(
+            "gfx950", False, "not checked")
+    if not is_rocm:
+        name = type(current_platform).__name__
+        return Gate("rocm", False, f"not ROCm (vLLM platform: {name})"), Gate("gfx950", False, "not checked")
+    rocm = Gate("rocm", True, "vLLM platform is ROCm")
+    try:
+        from vllm.platforms.rocm import _GCN_ARCH, on_gfx950
+
+        arch = str(_GCN_ARCH)
+        if on_gfx950():
+            return rocm, Gate("gfx950", True, f"vLLM reports gfx950 ({arch})")
+        return rocm, Gate("gfx950", False, f"not gfx950 (vLLM reports {arch})")
+    except Exception as e:  # noqa: BLE001
+        return rocm, Gate("gfx950", False, f"arch unreadable ({type(e).__name__}: {e})")
+
+
+def _check_target() -> tuple[Gate, ModuleType | None]:
+    try:
+        module = importlib.import_module(TARGET_MODULE)
+    except Exception as e:  # noqa: BLE001
+        return Gate("target", False, f"{TARGET_MODULE} unimportable ({type(e).__name__}: {e})"), None
+    fn = vars(module).get(TARGET_NAME)
+    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "_vllm_flydsl_indexer", False) else fn
+    problem = signature_problem(fn)
+    if problem is not None:
+        return Gate("target", False, f"{TARGET_MODULE}.{TARGET_NAME}: {problem}"), None
+    return Gate("target", True, f"{TARGET_MODULE}.{TARGET_NAME} has the supported signature"), module
+
+
+def evaluate(environ: dict[str, str] | None = None) -> Decision:
+    """Run the gates in order; stop at the first that fails."""
+    switch = envs.read_flag(envs.SWITCH, environ)
+    verify = envs.read_flag(envs.VERIFY, environ)
+    allow = envs.read_flag(envs.ALLOW_UNTESTED_VLLM, environ)
+    warnings = [f.error for f in (switch, verify, allow) if f.error]
+    gates: list[Gate] = []
+
+    def stop(gate: Gate) -> Decision:
+        gates.append(gate)
+        return Decision(False, gate.detail, gates, verify=verify.enabled, warnings=warnings)
+
+    if not switch.enabled:
+        detail = f"{envs.SWITCH} is not set to 1" if switch.error is None else switch.error
+        return stop(Gate("switch", False, detail))
+    gates.append(Gate("switch", True, f"{envs.SWITCH}={switch.raw}"))
+
+    version_gate = check_version(vllm_version(), allow.enabled)
+    if not version_gate.ok:
+        return stop(version_gate)
+    gates.append(version_gate)
+
+    rocm, gfx950 = _check_platform()
+    if not rocm.ok:
+        return stop(rocm)
+    gates.append(rocm)
+    if not gfx950.ok:
+        return stop(gfx950)
+    gates.append(gfx950)
+
+    lookup = find_kernel()
+    if lookup.kernel is None:
+        return stop(Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})"))
+    gates.append(Gate("kernel", True, f"found {lookup.location}"))
+
+    target_gate, module = _check_target()
+    if not target_gate.ok:
+        return stop(target_gate)
+    gates.append(target_gate)
+
+    return Decision(
+        True, "all gates passed", gates, lookup.kernel, lookup.location, module,
+        verify=verify.enabled, warnings=warnings,
+    )
