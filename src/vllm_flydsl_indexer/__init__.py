@@ -42,14 +42,16 @@ def register() -> None:
     _registered = True
     from vllm_flydsl_indexer._logging import get_logger
 
-    logger = get_logger(__name__)
+    logger = get_logger()
     try:
         _register_environment_variables()
         _register(logger)
     except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
         logger.warning(
             "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: "
-            "unexpected %s during registration: %s)", type(e).__name__, e,
+            "unexpected %s during registration: %s)",
+            type(e).__name__,
+            e,
         )
 
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 
 import logging
 
+# Under the "vllm" logger so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.
+LOGGER_NAME = "vllm.plugins.flydsl_indexer"
+
 _seen: set[tuple[int, str]] = set()
 
 
-def get_logger(name: str) -> logging.Logger:
-    """``vllm.logger.init_logger(name)`` when vLLM is installed, else stdlib."""
+def get_logger() -> logging.Logger:
+    """``vllm.logger.init_logger`` when vLLM is installed, else stdlib."""
     try:
         from vllm.logger import init_logger
     except ImportError:
-        return logging.getLogger(name)
-    return init_logger(name)
+        return logging.getLogger(LOGGER_NAME)
+    return init_logger(LOGGER_NAME)
 
 
 def log_once(logger: logging.Logger, level: int, msg: str, *args: object) -> None:

@@ -104,17 +104,13 @@ def contract_violation(
     if num_blocks * block_size * index_dim >= I32_OFFSET_LIMIT:
         return "kv_cache pool is 2**31 bytes or more (FlyDSL uses i32 offsets)"
     if weights.dtype != torch.float32 or tuple(weights.shape) != (batch * next_n, heads):
-        return f"weights {weights.dtype} {tuple(weights.shape)} are not float32 (B*next_n, H)"
+        return f"weights ({weights.dtype}, {weights.dim()}-D) are not float32 (B*next_n, H)"
     if context_lens.dtype != torch.int32 or context_lens.shape[0] != batch:
-        return f"context_lens {context_lens.dtype} {tuple(context_lens.shape)} are not int32 with B rows"
+        return f"context_lens ({context_lens.dtype}) are not int32 with one row per sequence"
     if context_lens.dim() not in (1, 2):
         return f"context_lens is {context_lens.dim()}-D"
-    if (
-        block_tables.dtype != torch.int32
-        or block_tables.dim() != 2
-        or block_tables.shape[0] != batch
-    ):
-        return f"block_tables {block_tables.dtype} {tuple(block_tables.shape)} are not int32 (B, max_blocks)"
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        return f"block_tables ({block_tables.dtype}, {block_tables.dim()}-D) are not int32 (B, max_blocks)"
     return None
 
 
@@ -127,11 +123,11 @@ def window_mismatch(
     """
     if next_n == 1:
         if context_lens.dim() == 2 and context_lens.shape[1] != 1:
-            return f"next_n=1 with a {tuple(context_lens.shape)} bounds table"
+            return f"next_n=1 with {context_lens.shape[1]} bounds per sequence"
         return None
     if context_lens.dim() != 2 or context_lens.shape[1] != next_n:
         return (
-            f"next_n={next_n} with per-sequence bounds {tuple(context_lens.shape)}: "
+            f"next_n={next_n} without a (B, next_n) bounds table: "
             "consumers read columns FlyDSL does not write"
         )
     if compress_ratio != 1:
@@ -263,14 +259,20 @@ class FlyDSLRouter:
         block_size = kv_cache_fp8.shape[1]
         if not self.hooks.stock_uses_gluon(compress_ratio, block_size):
             return self._delegate(
-                f"stock does not use aiter's Gluon kernel here (compress_ratio={compress_ratio}, block_size={block_size})",
+                "stock does not use aiter's Gluon kernel here "
+                f"(compress_ratio={compress_ratio}, block_size={block_size})",
                 args,
                 compress_ratio,
             )
         dcp = self.hooks.dcp_world_size() if q_fp8.dim() == 4 and q_fp8.shape[1] > 1 else 1
         reason = ineligibility(
-            q_fp8, kv_cache_fp8, weights, context_lens, block_tables,
-            compress_ratio=compress_ratio, dcp_world_size=dcp,
+            q_fp8,
+            kv_cache_fp8,
+            weights,
+            context_lens,
+            block_tables,
+            compress_ratio=compress_ratio,
+            dcp_world_size=dcp,
         )
         if reason is not None:
             return self._delegate(reason, args, compress_ratio)
@@ -292,8 +294,14 @@ class FlyDSLRouter:
             return self._verified_call(args, compress_ratio, config)
         out = self.hooks.output_buffer(batch * next_n, max_model_len)
         run_flydsl(
-            self.kernel, q_fp8, kv_cache_fp8, weights, out,
-            self.hooks.per_sequence_lens(context_lens), block_tables, max_model_len,
+            self.kernel,
+            q_fp8,
+            kv_cache_fp8,
+            weights,
+            out,
+            self.hooks.per_sequence_lens(context_lens),
+            block_tables,
+            max_model_len,
         )
         if not capturing:
             self.compiled.add(config)
@@ -308,8 +316,14 @@ class FlyDSLRouter:
         stock = self.original(*args, compress_ratio=compress_ratio).clone()
         out = self.hooks.output_buffer(batch * next_n, max_model_len)
         run_flydsl(
-            self.kernel, q_fp8, kv_cache, weights, out,
-            self.hooks.per_sequence_lens(context_lens), block_tables, max_model_len,
+            self.kernel,
+            q_fp8,
+            kv_cache,
+            weights,
+            out,
+            self.hooks.per_sequence_lens(context_lens),
+            block_tables,
+            max_model_len,
         )
         self.compiled.add(config)
         problem = verifier(stock, out, context_lens, next_n)
@@ -323,6 +337,8 @@ class FlyDSLRouter:
             out.copy_(stock)
             self.calls_delegated += 1
             return out
-        self.logger.info("vllm-flydsl-indexer: verify-on-enable canary passed (%s)", "arms agree inside the read windows")
+        self.logger.info(
+            "vllm-flydsl-indexer: verify-on-enable canary passed (%s)", "arms agree inside the read windows"
+        )
         self.calls_taken += 1
         return out

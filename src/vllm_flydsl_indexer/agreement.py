@@ -115,7 +115,9 @@ def compare_in_windows(
 def make_verifier(tolerance: float = REAL_KERNEL_TOLERANCE, topk: int = DEFAULT_TOPK):
     """A verify-on-enable callback for :class:`~vllm_flydsl_indexer.adapter.FlyDSLRouter`."""
 
-    def verify(stock: torch.Tensor, flydsl: torch.Tensor, context_lens: torch.Tensor, next_n: int) -> str | None:
+    def verify(
+        stock: torch.Tensor, flydsl: torch.Tensor, context_lens: torch.Tensor, next_n: int
+    ) -> str | None:
         ends = read_window_ends(context_lens, stock.shape[0], next_n)
         result = compare_in_windows(stock, flydsl, ends, topk)
         return None if result.ok(tolerance) else result.describe()

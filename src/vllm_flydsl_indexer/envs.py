@@ -48,6 +48,5 @@ def read_flag(name: str, environ: dict[str, str] | None = None) -> Flag:
         name,
         raw,
         False,
-        f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (case-insensitive); "
-        "treating it as 0",
+        f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (case-insensitive); treating it as 0",
     )

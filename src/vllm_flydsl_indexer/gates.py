@@ -92,11 +92,13 @@ def check_version(version: str | None, allow_untested: bool) -> Gate:
         return Gate("vllm", True, f"vLLM {version} is inside the tested window {window}")
     if allow_untested and parsed > high:
         return Gate(
-            "vllm", True,
+            "vllm",
+            True,
             f"vLLM {version} is outside the tested window {window}; allowed by {envs.ALLOW_UNTESTED_VLLM}=1",
         )
     return Gate(
-        "vllm", False,
+        "vllm",
+        False,
         f"vLLM {version} is outside the tested window {window}"
         + (f" (set {envs.ALLOW_UNTESTED_VLLM}=1 to try a newer one)" if parsed > high else ""),
     )
@@ -110,14 +112,13 @@ def signature_problem(fn: object) -> str | None:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError) as e:
         return f"signature unreadable ({e})"
-    positional = tuple(
-        p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
-    )
-    keyword_only = {
-        p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-    others = [p.name for p in params if p.kind not in (
-        inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    positional = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    keyword_only = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    others = [
+        p.name
+        for p in params
+        if p.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
     if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or others:
         return f"signature {inspect.signature(fn)} differs from the one this package supports"
     return None
@@ -130,7 +131,8 @@ def _check_platform() -> tuple[Gate, Gate]:
         is_rocm = bool(current_platform.is_rocm())
     except Exception as e:  # noqa: BLE001 - report, never raise into vLLM
         return Gate("rocm", False, f"vLLM platform unavailable ({type(e).__name__}: {e})"), Gate(
-            "gfx950", False, "not checked")
+            "gfx950", False, "not checked"
+        )
     if not is_rocm:
         name = type(current_platform).__name__
         return Gate("rocm", False, f"not ROCm (vLLM platform: {name})"), Gate("gfx950", False, "not checked")
@@ -200,6 +202,12 @@ def evaluate(environ: dict[str, str] | None = None) -> Decision:
     gates.append(target_gate)
 
     return Decision(
-        True, "all gates passed", gates, lookup.kernel, lookup.location, module,
-        verify=verify.enabled, warnings=warnings,
+        True,
+        "all gates passed",
+        gates,
+        lookup.kernel,
+        lookup.location,
+        module,
+        verify=verify.enabled,
+        warnings=warnings,
     )

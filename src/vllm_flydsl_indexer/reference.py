@@ -55,12 +55,7 @@ def shuffled_offsets(block_size: int, head_dim: int, device=None) -> torch.Tenso
     t = torch.arange(block_size, device=device).view(-1, 1)
     d = torch.arange(head_dim, device=device).view(1, -1)
     tile = SHUFFLE_TILE
-    return (
-        (t // tile) * tile * head_dim
-        + (d // tile) * tile * tile
-        + (t % tile) * tile
-        + d % tile
-    )
+    return (t // tile) * tile * head_dim + (d // tile) * tile * tile + (t % tile) * tile + d % tile
 
 
 def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +70,7 @@ def quantize_keys(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return k_fp8, scale
 
 
-def pack_blocks(
-    k_fp8: torch.Tensor, scale: torch.Tensor, *, preshuffle: bool
-) -> torch.Tensor:
+def pack_blocks(k_fp8: torch.Tensor, scale: torch.Tensor, *, preshuffle: bool) -> torch.Tensor:
     """Pack ``(nb, KVB, D)`` fp8 keys and ``(nb, KVB)`` scales into cache blocks.
 
     Returns ``(nb, KVB, 1, D + 4)`` uint8: per block, ``KVB*D`` key bytes
@@ -118,9 +111,7 @@ def per_sequence_lens(context_lens: torch.Tensor, batch: int) -> torch.Tensor:
     return context_lens.reshape(batch)
 
 
-def row_windows(
-    context_lens: torch.Tensor, batch: int, next_n: int
-) -> torch.Tensor:
+def row_windows(context_lens: torch.Tensor, batch: int, next_n: int) -> torch.Tensor:
     """Exclusive causal end of each row, ``(B*next_n,)``: ``ctx_b - next_n + i + 1``."""
     ctx = per_sequence_lens(context_lens, batch).to(torch.int64)
     i = torch.arange(next_n, device=ctx.device)
@@ -148,9 +139,7 @@ def fp8_paged_mqa_logits_values(
     kvb = kv_u8.shape[1]
     capacity = block_tables.shape[1] * kvb
     cols = min(width, capacity)
-    out = torch.full(
-        (batch * next_n, width), float("nan"), dtype=torch.float32, device=q_fp8.device
-    )
+    out = torch.full((batch * next_n, width), float("nan"), dtype=torch.float32, device=q_fp8.device)
     w = weights.float().view(batch, next_n, heads)
     q = q_fp8.float()
     for start in range(0, batch, rows_per_chunk):
@@ -183,9 +172,7 @@ def fp8_paged_mqa_logits_reference(
     """
     batch, next_n = q_fp8.shape[:2]
     width = out_logits.shape[1]
-    values = fp8_paged_mqa_logits_values(
-        q_fp8, kv_cache, weights, block_tables, width, preshuffle=preshuffle
-    )
+    values = fp8_paged_mqa_logits_values(q_fp8, kv_cache, weights, block_tables, width, preshuffle=preshuffle)
     cols = torch.arange(width, device=out_logits.device).view(1, -1)
     causal_end = row_windows(context_lens, batch, next_n).view(-1, 1)
     write_values = cols < causal_end
@@ -284,15 +271,16 @@ def make_paged_problem(
     k_fp8, scale = quantize_keys(keys)
     used = pack_blocks(k_fp8, scale, preshuffle=preshuffle)
     cache = torch.randint(
-        0, 256, (num_blocks, block_size, 1, head_dim + SCALE_BYTES),
-        dtype=torch.uint8, generator=gen,
+        0,
+        256,
+        (num_blocks, block_size, 1, head_dim + SCALE_BYTES),
+        dtype=torch.uint8,
+        generator=gen,
     )
     physical = torch.randperm(num_blocks, generator=gen)[:needed]
     cache[physical] = used
 
-    block_tables = torch.randint(
-        0, num_blocks, (batch, max_blocks), dtype=torch.int32, generator=gen
-    )
+    block_tables = torch.randint(0, num_blocks, (batch, max_blocks), dtype=torch.int32, generator=gen)
     cursor = 0
     for b in range(batch):
         n = int(blocks_per_seq[b])

@@ -21,9 +21,22 @@ def _pow2(n):
 
 
 def flydsl_fp8_paged_mqa_logits(
-    q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len, *,
-    Preshuffle=False, KVBlockSize=1, ChunkK=128, SplitKV=None, WavePerEU=2,
-    TotalCuCount=None, variant=None, stream=None,
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    *,
+    Preshuffle=False,
+    KVBlockSize=1,
+    ChunkK=128,
+    SplitKV=None,
+    WavePerEU=2,
+    TotalCuCount=None,
+    variant=None,
+    stream=None,
 ):
     batch_size, next_n, heads, head_dim = q_fp8.shape
     if Preshuffle:
@@ -40,13 +53,29 @@ def flydsl_fp8_paged_mqa_logits(
     lens = context_lens.reshape(batch_size)
     # The real kernel assumes a block stride of KVBlockSize * index_dim.
     assert kv_cache.is_contiguous()
-    aiter.CALLS.append(("flydsl", {
-        "Preshuffle": Preshuffle, "KVBlockSize": KVBlockSize, "ChunkK": ChunkK,
-        "SplitKV": SplitKV, "WavePerEU": WavePerEU, "variant": variant,
-    }))
+    aiter.CALLS.append(
+        (
+            "flydsl",
+            {
+                "Preshuffle": Preshuffle,
+                "KVBlockSize": KVBlockSize,
+                "ChunkK": ChunkK,
+                "SplitKV": SplitKV,
+                "WavePerEU": WavePerEU,
+                "variant": variant,
+            },
+        )
+    )
     fp8_paged_mqa_logits_reference(
-        q_fp8, kv_cache, weights, out_logits, lens, kv_indices, max_model_len,
-        preshuffle=Preshuffle, contract="flydsl",
+        q_fp8,
+        kv_cache,
+        weights,
+        out_logits,
+        lens,
+        kv_indices,
+        max_model_len,
+        preshuffle=Preshuffle,
+        contract="flydsl",
     )
     if BROKEN:
         out_logits.mul_(1.0 + 1e-1 * math.pi)

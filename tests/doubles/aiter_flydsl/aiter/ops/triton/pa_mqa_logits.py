@@ -6,14 +6,31 @@ from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference
 
 
 def deepgemm_fp8_paged_mqa_logits(
-    q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
-    Preshuffle=False, KVBlockSize=1, ChunkK=256, TotalCuCount=None, WavePerEU=2,
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    Preshuffle=False,
+    KVBlockSize=1,
+    ChunkK=256,
+    TotalCuCount=None,
+    WavePerEU=2,
     VarCtxSchedule=None,
 ):
     assert kv_cache.shape[1] == KVBlockSize
     aiter.CALLS.append(("gluon", {"Preshuffle": Preshuffle, "KVBlockSize": KVBlockSize}))
     fp8_paged_mqa_logits_reference(
-        q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
-        preshuffle=Preshuffle, contract="gluon",
+        q_fp8,
+        kv_cache,
+        weights,
+        out_logits,
+        context_lens,
+        kv_indices,
+        max_model_len,
+        preshuffle=Preshuffle,
+        contract="gluon",
     )
     return out_logits

@@ -1,0 +1,125 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The test process simulates gfx950 with aiter for real vLLM 0.33.0 on CPU.
+
+The ``amdsmi`` double makes vLLM's platform detection report ROCm gfx950, and
+the aiter double provides both kernels' contracts built on the reference.
+This must happen before anything imports ``vllm.platforms``, so it is done at
+conftest import. Scenarios that need another machine (no vLLM, not ROCm,
+plugin loading) run in subprocesses via :func:`run_python`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+DOUBLES = TESTS / "doubles"
+AMDSMI_DOUBLE = DOUBLES / "amdsmi_gfx950"
+AITER_DOUBLE = DOUBLES / "aiter_flydsl"
+
+os.environ["VLLM_ROCM_USE_AITER"] = "1"
+for path in (AITER_DOUBLE, AMDSMI_DOUBLE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+
+
+def simulation_env(*, gfx950: bool = True, aiter: bool = True, rocm: bool = True, **extra: str) -> dict:
+    """Environment for a subprocess: which doubles are on its path, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "AMDSMI_DOUBLE"))}
+    paths = []
+    if aiter:
+        paths.append(str(AITER_DOUBLE))
+    if rocm:
+        paths.append(str(AMDSMI_DOUBLE))
+        env["AMDSMI_DOUBLE_ARCH"] = "gfx950" if gfx950 else "gfx942"
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    env["VLLM_ROCM_USE_AITER"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this venv."""
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def target():
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as module
+
+    assert module._ON_GFX950, "the amdsmi double did not make vLLM see gfx950"
+    return module
+
+
+@pytest.fixture
+def workspace():
+    import torch
+    from vllm.v1.worker import workspace as ws
+
+    ws.reset_workspace_manager()
+    ws.init_workspace_manager(torch.device("cpu"))
+    yield ws
+    ws.reset_workspace_manager()
+
+
+@pytest.fixture
+def aiter_calls():
+    import aiter
+
+    aiter.CALLS.clear()
+    yield aiter.CALLS
+    aiter.CALLS.clear()
+
+
+@pytest.fixture
+def fresh_register(monkeypatch):
+    """``register()`` as in a fresh process; the patch is undone afterwards."""
+    import vllm_flydsl_indexer
+    from vllm_flydsl_indexer import patch
+
+    monkeypatch.setattr(vllm_flydsl_indexer, "_registered", False)
+    yield vllm_flydsl_indexer.register
+    patch.uninstall()
+
+
+@pytest.fixture
+def installed(target, monkeypatch, fresh_register, plugin_log):
+    """The patch installed through ``register()`` with the switch on."""
+    from vllm_flydsl_indexer import envs, patch
+
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    assert patch.installed() is not None, [r.getMessage() for r in plugin_log]
+    return patch.installed()
+
+
+@pytest.fixture
+def plugin_log():
+    """Records the plugin's log lines (vLLM's logger does not propagate to root)."""
+    import logging
+
+    from vllm_flydsl_indexer._logging import LOGGER_NAME, _seen
+
+    records: list[logging.LogRecord] = []
+
+    class Handler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Handler(level=logging.DEBUG)
+    logger = logging.getLogger(LOGGER_NAME)
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    _seen.clear()
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+    _seen.clear()

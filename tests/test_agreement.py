@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Randomised agreement between the arms through real vLLM 0.33.0's function.
+
+The stock arm is vLLM's unpatched ``rocm_fp8_paged_mqa_logits`` (driving the
+Gluon-contract double); the FlyDSL arm is the same call after ``register()``.
+The shared workspace buffer is poisoned with NaN before every call, so any
+column a consumer reads that FlyDSL did not write shows up.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.reference import make_paged_problem
+
+
+def poison_workspace(rows: int, max_model_len: int) -> None:
+    from vllm.v1.worker.workspace import current_workspace_manager
+
+    (buf,) = current_workspace_manager().get_simultaneous(((rows, max_model_len), torch.float32))
+    buf.fill_(float("nan"))
+
+
+def call(fn, problem, compress_ratio):
+    rows = problem.batch * problem.next_n
+    poison_workspace(rows, problem.max_model_len)
+    out = fn(
+        problem.q_fp8,
+        problem.kv_cache,
+        problem.weights,
+        problem.context_lens,
+        problem.block_tables,
+        None,
+        problem.max_model_len,
+        compress_ratio=compress_ratio,
+    )
+    return out.clone()
+
+
+def expected_to_take(next_n, per_row, compress_ratio, block_size):
+    if compress_ratio == 4 and block_size > 1:
+        return False  # vLLM's own C4A route
+    if next_n == 1:
+        return True
+    return per_row and compress_ratio == 1
+
+
+@st.composite
+def problems(draw):
+    next_n = draw(st.integers(1, 4))
+    batch = draw(st.integers(1, 5))
+    block_size = draw(st.sampled_from([1, 16, 64]))
+    compress_ratio = draw(st.sampled_from([1, 2, 4]))
+    if compress_ratio == 4 and block_size == 64:
+        compress_ratio = draw(st.sampled_from([1, 2]))  # C4A Triton: not runnable on CPU
+    heads = draw(st.sampled_from([32, 64]))
+    # Padding rows (0), lengths shorter than next_n, and longer contexts.
+    lens = draw(
+        st.lists(
+            st.one_of(st.just(0), st.integers(1, 4), st.integers(5, 300)), min_size=batch, max_size=batch
+        )
+    )
+    per_row = draw(st.booleans())
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(
+        next_n=next_n,
+        block_size=block_size,
+        compress_ratio=compress_ratio,
+        heads=heads,
+        lens=lens,
+        per_row=per_row,
+        seed=seed,
+    )
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=problems())
+def test_arms_agree_on_every_read_column(target, workspace, installed, aiter_calls, case):
+    problem = make_paged_problem(
+        case["lens"],
+        next_n=case["next_n"],
+        heads=case["heads"],
+        head_dim=128,
+        block_size=case["block_size"],
+        preshuffle=case["block_size"] > 1,
+        per_row_bounds=case["per_row"],
+        compress_ratio=case["compress_ratio"],
+        max_model_len=max(case["lens"]) + 64,
+        generator=torch.Generator().manual_seed(case["seed"]),
+    )
+    ratio = case["compress_ratio"]
+    aiter_calls.clear()
+    stock = call(installed.original, problem, ratio)
+    stock_arms = [name for name, _ in aiter_calls]
+    aiter_calls.clear()
+    patched = call(target.rocm_fp8_paged_mqa_logits, problem, ratio)
+    patched_arms = [name for name, _ in aiter_calls]
+
+    takes = expected_to_take(case["next_n"], case["per_row"], ratio, case["block_size"])
+    if ratio == 4 and case["block_size"] > 1:
+        # vLLM's C4A route (torch fallback at this block size): untouched, identical.
+        assert stock_arms == [] and patched_arms == []
+        assert torch.equal(stock.nan_to_num(), patched.nan_to_num())
+        return
+    else:
+        assert stock_arms == ["gluon"]
+        assert patched_arms == (["flydsl"] if takes else ["gluon"])
+
+    rows = problem.batch * problem.next_n
+    ends = read_window_ends(problem.context_lens, rows, problem.next_n)
+    result = compare_in_windows(stock, patched, ends, topk=64)
+    assert result.nan_free, "a read column was never written"
+    assert result.mask_equal and result.topk_equal, result.describe()
+    assert result.max_rel_diff == 0.0, result.describe()
+    # Every read column holds exactly the stock value (-inf included).
+    cols = torch.arange(problem.max_model_len).view(1, -1)
+    inside = cols < ends.view(-1, 1)
+    assert torch.equal(stock[inside], patched[inside])
+
+
+def test_native_mtp_calls_are_taken_with_fly_dsl_defaults(target, workspace, installed, aiter_calls):
+    problem = make_paged_problem(
+        [300, 2, 0, 129],
+        next_n=2,
+        heads=64,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        generator=torch.Generator().manual_seed(1),
+    )
+    call(target.rocm_fp8_paged_mqa_logits, problem, 1)
+    assert aiter_calls == [
+        (
+            "flydsl",
+            {
+                "Preshuffle": True,
+                "KVBlockSize": 64,
+                "ChunkK": 128,
+                "SplitKV": None,
+                "WavePerEU": 2,
+                "variant": None,
+            },
+        )
+    ]
+
+
+def test_flydsl_leaves_columns_past_the_window_untouched(target, workspace, installed):
+    """No -inf prefill and no sanitize pass: the adapter writes only FlyDSL's window."""
+    problem = make_paged_problem(
+        [50, 7],
+        next_n=2,
+        heads=32,
+        head_dim=128,
+        block_size=16,
+        preshuffle=True,
+        max_model_len=128,
+        generator=torch.Generator().manual_seed(2),
+    )
+    out = call(target.rocm_fp8_paged_mqa_logits, problem, 1)
+    ends = read_window_ends(problem.context_lens, 4, 2)
+    for r, end in enumerate(ends.tolist()):
+        assert not torch.isnan(out[r, :end]).any()
+        assert torch.isnan(out[r, end:]).all(), "a column past the window was written"
