@@ -1,0 +1,88 @@
+# SPDX-License-Identifier: Apache-2.0
+"""vLLM's real plugin loader finds and runs the entry point, in fresh processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import run_python, simulation_env
+
+from vllm_flydsl_indexer import envs
+
+PROBE = r"""
+import json, sys, logging
+records = []
+class H(logging.Handler):
+    def emit(self, r): records.append((r.levelname, r.getMessage()))
+plugin_logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+plugin_logger.addHandler(H())
+plugin_logger.setLevel(logging.DEBUG)
+before = set(sys.modules)
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm.v1.attention.ops.rocm_aiter_mla_sparse as t
+fn = t.rocm_fp8_paged_mqa_logits
+print("RESULT" + json.dumps({
+    "patched": bool(getattr(fn, "_vllm_flydsl_indexer", False)),
+    "lines": [m for _, m in records],
+    "levels": [lv for lv, _ in records],
+    "new_modules": sorted(m for m in set(sys.modules) - before if m.startswith(("vllm_flydsl", "aiter"))),
+}))
+"""
+
+
+def probe(env: dict) -> dict:
+    proc = run_python(PROBE, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+@pytest.mark.parametrize("plugins", [None, "flydsl_indexer"])
+def test_loader_activates_plugin_on_simulated_gfx950(plugins):
+    extra = {envs.SWITCH: "1"}
+    if plugins is not None:
+        extra["VLLM_PLUGINS"] = plugins
+    result = probe(simulation_env(**extra))
+    assert result["patched"] is True
+    assert len(result["lines"]) == 1
+    assert "FlyDSL paged MQA logits ACTIVE" in result["lines"][0]
+
+
+def test_allowlist_without_plugin_skips_it():
+    result = probe(simulation_env(**{envs.SWITCH: "1", "VLLM_PLUGINS": "some_other_plugin"}))
+    assert result["patched"] is False
+    assert result["lines"] == []
+
+
+def test_switch_off_imports_nothing_more():
+    result = probe(simulation_env())
+    assert result["patched"] is False
+    assert result["lines"] == [
+        f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {envs.SWITCH} is not set to 1)"
+    ]
+    # Only the package itself and its switch parsing; no gates, kernel probe or aiter.
+    assert set(result["new_modules"]) <= {
+        "vllm_flydsl_indexer",
+        "vllm_flydsl_indexer.envs",
+        "vllm_flydsl_indexer._logging",
+    }, result["new_modules"]
+
+
+def test_not_gfx950_stays_stock():
+    result = probe(simulation_env(gfx950=False, **{envs.SWITCH: "1"}))
+    assert result["patched"] is False
+    assert "not gfx950 (vLLM reports gfx942" in result["lines"][0]
+
+
+def test_vllm_without_rocm_stays_stock():
+    result = probe(simulation_env(rocm=False, **{envs.SWITCH: "1"}))
+    assert result["patched"] is False
+    assert "FlyDSL inactive: not ROCm" in result["lines"][0]
+
+
+def test_aiter_without_flydsl_stays_stock():
+    result = probe(simulation_env(aiter=False, **{envs.SWITCH: "1"}))
+    assert result["patched"] is False
+    assert "aiter has no usable FlyDSL kernel" in result["lines"][0]

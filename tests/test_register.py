@@ -1,0 +1,242 @@
+# SPDX-License-Identifier: Apache-2.0
+"""register(): gates in order, one log line, idempotence, every binding, undo."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+
+from vllm_flydsl_indexer import envs, gates, kernel_lookup, patch
+
+TARGET = "rocm_fp8_paged_mqa_logits"
+V41 = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
+
+
+def lines(records):
+    return [r.getMessage() for r in records]
+
+
+def assert_untouched(target, original):
+    assert vars(target)[TARGET] is original
+    assert not getattr(vars(target)[TARGET], patch.MARKER, False)
+    assert patch.installed() is None
+
+
+@pytest.fixture
+def original(target):
+    fn = vars(target)[TARGET]
+    assert not getattr(fn, patch.MARKER, False)
+    return fn
+
+
+def test_active_under_gfx950_simulation_logs_one_line(target, original, installed, plugin_log):
+    msgs = lines(plugin_log)
+    assert len(msgs) == 1
+    assert msgs[0].startswith("vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE")
+    assert "aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits" in msgs[0]
+    wrapper = vars(target)[TARGET]
+    assert wrapper is not original and wrapper.__wrapped__ is original
+    patch.uninstall()
+    assert vars(target)[TARGET] is original
+
+
+def test_register_twice_wraps_once(target, original, monkeypatch, fresh_register, plugin_log):
+    monkeypatch.setenv(envs.SWITCH, "true")
+    fresh_register()
+    first = vars(target)[TARGET]
+    fresh_register()
+    assert vars(target)[TARGET] is first
+    assert first.__wrapped__ is original
+    # Even a second install (as a new register() in the same process would try) does not stack.
+    again = patch.install(target, lambda *a, **k: None, logging.getLogger("x"))
+    assert again.wrapper is first and first.__wrapped__ is original
+    assert len(lines(plugin_log)) == 1
+
+
+def test_deepseek_v41_module_binding_is_patched(target, original, monkeypatch, fresh_register):
+    v41 = importlib.import_module(V41)
+    assert vars(v41)[TARGET] is original, "vLLM 0.33.0 binds the name at import"
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    assert vars(v41)[TARGET] is vars(target)[TARGET]
+    assert vars(v41)[TARGET].__wrapped__ is original
+    assert v41 in patch.installed().modules
+    patch.uninstall()
+    assert vars(v41)[TARGET] is original
+
+
+def test_signature_is_preserved(target, installed):
+    import inspect
+
+    assert inspect.signature(vars(target)[TARGET]) == inspect.signature(installed.original)
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "FALSE", " False "])
+def test_switch_off_patches_nothing(target, original, monkeypatch, fresh_register, plugin_log, value):
+    monkeypatch.setenv(envs.SWITCH, value)
+    fresh_register()
+    assert_untouched(target, original)
+    assert lines(plugin_log) == [
+        f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {envs.SWITCH} is not set to 1)"
+    ]
+
+
+@pytest.mark.parametrize("value", ["1", "TRUE", "True", "true"])
+def test_switch_on_values(monkeypatch, value):
+    monkeypatch.setenv(envs.SWITCH, value)
+    assert envs.read_flag(envs.SWITCH).enabled
+
+
+@pytest.mark.parametrize("value", ["yes", "2", "on", "enable"])
+def test_bad_switch_value_warns_and_stays_off(
+    target, original, monkeypatch, fresh_register, plugin_log, value
+):
+    monkeypatch.setenv(envs.SWITCH, value)
+    fresh_register()
+    assert_untouched(target, original)
+    assert len(plugin_log) == 1
+    record = plugin_log[0]
+    assert record.levelno == logging.WARNING
+    msg = record.getMessage()
+    assert envs.SWITCH in msg and repr(value) in msg and "1/0/true/false" in msg
+
+
+def _fail_gate(monkeypatch, gate):
+    if gate == "version":
+        monkeypatch.setattr(gates, "vllm_version", lambda: "0.31.2")
+        return "vLLM 0.31.2 is outside the tested window 0.32.x-0.33.x"
+    if gate == "rocm":
+        from vllm.platforms import current_platform
+
+        monkeypatch.setattr(type(current_platform), "is_rocm", lambda self: False)
+        return "not ROCm"
+    if gate == "gfx950":
+        import vllm.platforms.rocm as rocm
+
+        monkeypatch.setattr(rocm, "_ON_GFX950", False)
+        monkeypatch.setattr(rocm, "_GCN_ARCH", "gfx942:sramecc+:xnack-")
+        return "not gfx950 (vLLM reports gfx942"
+    if gate == "kernel":
+        monkeypatch.setattr(kernel_lookup, "KERNEL_MODULES", ("aiter.ops.flydsl_missing",))
+        return "aiter has no usable FlyDSL kernel (aiter.ops.flydsl_missing: ModuleNotFoundError"
+    if gate == "target":
+        import vllm.v1.attention.ops.rocm_aiter_mla_sparse as t
+
+        def rocm_fp8_paged_mqa_logits(
+            q_fp8,
+            kv_cache_fp8,
+            weights,
+            context_lens,
+            block_tables,
+            schedule_metadata,
+            max_model_len,
+            *,
+            compress_ratio=1,
+            extra=0,
+        ):
+            return None
+
+        monkeypatch.setattr(t, TARGET, rocm_fp8_paged_mqa_logits)
+        return "differs from the one this package supports"
+    raise AssertionError(gate)
+
+
+@pytest.mark.parametrize("gate", ["version", "rocm", "gfx950", "kernel", "target"])
+def test_each_failing_gate_leaves_vllm_untouched(target, monkeypatch, fresh_register, plugin_log, gate):
+    monkeypatch.setenv(envs.SWITCH, "1")
+    reason = _fail_gate(monkeypatch, gate)
+    before = vars(target)[TARGET]
+    fresh_register()
+    assert vars(target)[TARGET] is before
+    assert patch.installed() is None
+    msgs = lines(plugin_log)
+    assert len(msgs) == 1
+    assert msgs[0].startswith("vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: ")
+    assert reason in msgs[0]
+
+
+def test_kernel_probe_reports_non_import_errors(monkeypatch):
+    import sys
+    import types
+
+    broken = types.ModuleType("aiter_broken_probe")
+
+    def boom(name):
+        raise RuntimeError("flydsl 0.0.9 does not match aiter's pin")
+
+    monkeypatch.setitem(sys.modules, "aiter_broken_probe", broken)
+    monkeypatch.setattr(kernel_lookup.importlib, "import_module", boom)
+    result = kernel_lookup.find_kernel()
+    assert result.kernel is None
+    assert "RuntimeError: flydsl 0.0.9 does not match aiter's pin" in result.reason
+
+
+def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
+    import aiter.ops.flydsl as fly
+
+    def flydsl_fp8_paged_mqa_logits(q, kv, w, out, ctx, bt, mml, Preshuffle=False, KVBlockSize=1):
+        return out
+
+    monkeypatch.setattr(fly, "flydsl_fp8_paged_mqa_logits", flydsl_fp8_paged_mqa_logits)
+    monkeypatch.setattr(kernel_lookup, "KERNEL_MODULES", ("aiter.ops.flydsl",))
+    result = kernel_lookup.find_kernel()
+    assert result.kernel is None and "lacks keyword-only Preshuffle, KVBlockSize" in result.reason
+
+
+@pytest.mark.parametrize(
+    "version,allow,ok",
+    [
+        ("0.32.0", False, True),
+        ("0.33.0", False, True),
+        ("0.33.1.dev12+g1234abc.rocm700", False, True),
+        ("0.32.0+rocm7.0.0", False, True),
+        ("0.31.9", False, False),
+        ("0.34.0", False, False),
+        ("0.34.0", True, True),
+        ("0.31.0", True, False),
+        ("garbage", True, False),
+        (None, True, False),
+    ],
+)
+def test_version_window(version, allow, ok):
+    assert gates.check_version(version, allow).ok is ok
+
+
+def test_override_lets_newer_vllm_through_but_signature_still_applies(
+    target, monkeypatch, fresh_register, plugin_log
+):
+    monkeypatch.setenv(envs.SWITCH, "1")
+    monkeypatch.setenv(envs.ALLOW_UNTESTED_VLLM, "1")
+    monkeypatch.setattr(gates, "vllm_version", lambda: "0.35.0")
+    reason = _fail_gate(monkeypatch, "target")
+    fresh_register()
+    assert patch.installed() is None
+    assert reason in lines(plugin_log)[0]
+
+
+def test_environment_variables_are_known_to_vllm(fresh_register, monkeypatch):
+    import vllm.envs
+
+    for name in envs.ALL_VARIABLES:
+        monkeypatch.delitem(vllm.envs.environment_variables, name, raising=False)
+    monkeypatch.setenv(envs.SWITCH, "0")
+    fresh_register()
+    for name in envs.ALL_VARIABLES:
+        assert name in vllm.envs.environment_variables
+    monkeypatch.setenv(envs.SWITCH, "1")
+    assert vllm.envs.environment_variables[envs.SWITCH]() == "1"
+
+
+def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, original):
+    monkeypatch.setenv(envs.SWITCH, "1")
+
+    def explode(environ=None):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gates, "evaluate", explode)
+    fresh_register()
+    assert_untouched(target, original)
+    msgs = lines(plugin_log)
+    assert len(msgs) == 1 and "unexpected RuntimeError during registration: boom" in msgs[0]
