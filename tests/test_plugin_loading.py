@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_python, simulation_env
 
+from conftest import run_python, simulation_env
 from vllm_flydsl_indexer import envs
 
 PROBE = r"""

@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The router on its own (no vLLM): contract violations, hot-path audit, JIT rule."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
+from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference, make_paged_problem
+
+LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
+
+
+class Recorder:
+    """Stands in for vLLM's original function: records calls, returns a marker."""
+
+    def __init__(self):
+        self.calls = []
+        self.marker = torch.full((1,), 7.0)
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.marker
+
+
+def flydsl_double():
+    import aiter.ops.flydsl as fly
+
+    return fly.flydsl_fp8_paged_mqa_logits
+
+
+def hooks(buffer=None, dcp=1, gluon=True):
+    return StockHooks(
+        stock_uses_gluon=lambda ratio, bs: gluon,
+        output_buffer=lambda rows, mml: (
+            buffer if buffer is not None else torch.full((rows, mml), float("nan"))
+        ),
+        per_sequence_lens=lambda t: t[:, -1].contiguous() if t.dim() == 2 and t.shape[1] > 1 else t,
+        dcp_world_size=lambda: dcp,
+    )
+
+
+def base_problem(**kw):
+    args = dict(next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
+    args.update(kw)
+    return make_paged_problem([130, 5, 64], generator=torch.Generator().manual_seed(5), **args)
+
+
+def as_args(p, **override):
+    args = dict(
+        q_fp8=p.q_fp8,
+        kv_cache_fp8=p.kv_cache,
+        weights=p.weights,
+        context_lens=p.context_lens,
+        block_tables=p.block_tables,
+        schedule_metadata=None,
+        max_model_len=p.max_model_len,
+    )
+    args.update(override)
+    return tuple(args.values())
+
+
+def _violations():
+    p = base_problem()
+    q, kv, w, ctx, bt = p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables
+    p16 = base_problem(heads=32, head_dim=64, block_size=16)
+    wide = torch.zeros(kv.shape[0], 64, 1, 2 * 132, dtype=torch.uint8)
+    return {
+        "q bf16": as_args(p, q_fp8=q.to(torch.bfloat16)),
+        "q e4m3fnuz": as_args(p, q_fp8=q.float().to(torch.float8_e4m3fnuz)),
+        "q 3-D": as_args(p, q_fp8=q[:, 0]),
+        "heads 16": as_args(p, q_fp8=q[:, :, :16].contiguous(), weights=w[:, :16].contiguous()),
+        "heads 48": as_args(p, q_fp8=q[:, :, :48].contiguous(), weights=w[:, :48].contiguous()),
+        "head_dim 32": as_args(p16, q_fp8=p16.q_fp8[..., :32].contiguous()),
+        "head_dim 96": as_args(p, q_fp8=q[..., :96].contiguous()),
+        "kv fp8 view": as_args(p, kv_cache_fp8=kv.view(torch.float8_e4m3fn)),
+        "kv not contiguous": as_args(p, kv_cache_fp8=wide[..., :132]),
+        "kv shape[2] != 1": as_args(p, kv_cache_fp8=kv.view(kv.shape[0], 32, 2, 132)),
+        "index_dim short": as_args(p, kv_cache_fp8=kv[..., :131].contiguous()),
+        "KVB 8": as_args(p, kv_cache_fp8=kv.view(kv.shape[0] * 8, 8, 1, 132)),
+        "pool >= 2**31": as_args(
+            p,
+            kv_cache_fp8=torch.empty((2**31 // (64 * 132) + 1, 64, 1, 132), dtype=torch.uint8, device="meta"),
+        ),
+        "weights bf16": as_args(p, weights=w.to(torch.bfloat16)),
+        "weights rows": as_args(p, weights=w[:-1]),
+        "ctx int64": as_args(p, context_lens=ctx.long()),
+        "ctx rows": as_args(p, context_lens=ctx[:-1]),
+        "ctx 3-D": as_args(p, context_lens=ctx.unsqueeze(-1)),
+        "block table int64": as_args(p, block_tables=bt.long()),
+        "block table rows": as_args(p, block_tables=bt[:-1]),
+        "next_n 2 with (B, 1) bounds": as_args(p, context_lens=ctx[:, -1:].contiguous()),
+        "next_n 1 with (B, 2) bounds": as_args(
+            p, q_fp8=q[:, :1].contiguous(), weights=w.view(3, 2, 64)[:, 0].contiguous()
+        ),
+    }
+
+
+VIOLATIONS = _violations()
+
+
+@pytest.mark.parametrize("name", list(VIOLATIONS))
+def test_contract_violations_go_to_stock_unchanged(name):
+    args = VIOLATIONS[name]
+    original = Recorder()
+    kernel_calls = []
+
+    def kernel(*a, **k):
+        kernel_calls.append(1)
+        return flydsl_double()(*a, **k)
+
+    router = FlyDSLRouter(original, kernel, hooks(), LOGGER)
+    out = router(*args, compress_ratio=1)
+    assert out is original.marker
+    assert kernel_calls == []
+    ((called_args, called_kwargs),) = original.calls
+    assert all(a is b for a, b in zip(called_args, args, strict=True))
+    assert called_kwargs == {"compress_ratio": 1}
+    assert router.calls_delegated == 1 and router.calls_taken == 0
+
+
+def test_valid_call_is_taken_and_matches_the_flydsl_contract():
+    p = base_problem()
+    original = Recorder()
+    router = FlyDSLRouter(original, flydsl_double(), hooks(), LOGGER)
+    out = router(*as_args(p), compress_ratio=1)
+    assert original.calls == [] and router.calls_taken == 1
+    expected = torch.full_like(out, float("nan"))
+    fp8_paged_mqa_logits_reference(
+        p.q_fp8,
+        p.kv_cache,
+        p.weights,
+        expected,
+        p.context_lens,
+        p.block_tables,
+        p.max_model_len,
+        preshuffle=True,
+        contract="flydsl",
+    )
+    assert torch.equal(out.nan_to_num(5.0), expected.nan_to_num(5.0))
+
+
+@pytest.mark.parametrize("dcp,ratio,gluon", [(2, 1, True), (1, 2, True), (1, 1, False)])
+def test_window_and_route_rules(dcp, ratio, gluon):
+    p = base_problem()
+    original = Recorder()
+    router = FlyDSLRouter(original, flydsl_double(), hooks(dcp=dcp, gluon=gluon), LOGGER)
+    assert router(*as_args(p), compress_ratio=ratio) is original.marker
+
+
+def test_next_n_1_is_taken_under_dcp_and_compression():
+    p = make_paged_problem(
+        [300, 0, 17],
+        next_n=1,
+        heads=32,
+        head_dim=128,
+        block_size=16,
+        preshuffle=True,
+        per_row_bounds=False,
+        compress_ratio=2,
+        generator=torch.Generator().manual_seed(9),
+    )
+    original = Recorder()
+    router = FlyDSLRouter(original, flydsl_double(), hooks(dcp=4), LOGGER)
+    router(*as_args(p), compress_ratio=2)
+    assert original.calls == [] and router.calls_taken == 1
+
+
+class OpAudit(TorchDispatchMode):
+    """Records every aten op the adapter itself dispatches (kernel excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, list]] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            tensors = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            self.ops.append((func._schema.name, tensors))
+        return func(*args, **(kwargs or {}))
+
+
+SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::is_nonzero"}
+
+
+@pytest.mark.parametrize("next_n,per_row", [(1, False), (2, True)])
+def test_hot_path_audit_no_sync_no_logits_pass_no_allocation(next_n, per_row):
+    p = make_paged_problem(
+        [200, 3, 64, 0],
+        next_n=next_n,
+        heads=64,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        per_row_bounds=per_row,
+        generator=torch.Generator().manual_seed(4),
+    )
+    workspace = torch.full((p.batch * next_n, p.max_model_len), float("nan"))
+    audit = OpAudit()
+    seen_by_kernel = {}
+
+    def kernel(q, kv, w, out, lens, bt, mml, **kw):
+        seen_by_kernel.update(out=out, lens=lens, kw=kw)
+        audit.paused = True
+        try:
+            return flydsl_double()(q, kv, w, out, lens, bt, mml, **kw)
+        finally:
+            audit.paused = False
+
+    router = FlyDSLRouter(Recorder(), kernel, hooks(buffer=workspace), LOGGER)
+    with audit:
+        out = router(*as_args(p), compress_ratio=1)
+    assert out is workspace and seen_by_kernel["out"] is workspace
+    assert seen_by_kernel["kw"] == {"Preshuffle": True, "KVBlockSize": 64}
+    names = [name for name, _ in audit.ops]
+    assert not SYNC_OPS & set(names), names
+    # Nothing the adapter runs touches the logits buffer: no prefill, no sanitize.
+    assert not any(
+        t.untyped_storage().data_ptr() == workspace.untyped_storage().data_ptr()
+        for _, ts in audit.ops
+        for t in ts
+    ), names
+    # The only ops are vLLM's own per-sequence reduction (the stock path does the same).
+    if next_n == 1:
+        assert names == [], names
+        assert seen_by_kernel["lens"] is p.context_lens
+    else:
+        assert names == ["aten::select", "aten::clone"], names
+        assert torch.equal(seen_by_kernel["lens"], p.context_lens[:, -1])
+
+
+class _CapturingFlag:
+    def __init__(self):
+        self.value = False
+
+    def __call__(self):
+        return self.value
+
+
+def test_no_first_time_compile_inside_capture():
+    p = base_problem()
+    original = Recorder()
+    capturing = _CapturingFlag()
+    compiled_during_capture = []
+
+    def kernel(*a, **k):
+        if capturing.value:
+            compiled_during_capture.append(k)
+        return flydsl_double()(*a, **k)
+
+    router = FlyDSLRouter(original, kernel, hooks(), LOGGER, is_capturing=capturing)
+    capturing.value = True
+    assert router(*as_args(p), compress_ratio=1) is original.marker  # not compiled yet: stock
+    assert compiled_during_capture == []
+    capturing.value = False
+    router(*as_args(p), compress_ratio=1)  # eager call compiles
+    capturing.value = True
+    router(*as_args(p), compress_ratio=1)  # now captured with FlyDSL
+    assert len(compiled_during_capture) == 1 and len(original.calls) == 1
