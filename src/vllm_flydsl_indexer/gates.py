@@ -161,46 +161,49 @@ def _check_target() -> tuple[Gate, ModuleType | None]:
     return Gate("target", True, f"{TARGET_MODULE}.{TARGET_NAME} has the supported signature"), module
 
 
-def evaluate(environ: dict[str, str] | None = None) -> Decision:
-    """Run the gates in order; stop at the first that fails."""
+def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> Decision:
+    """Run the gates in order; the first that fails is the reason.
+
+    ``register()`` stops at the first failure. ``full=True`` (``doctor``) still
+    evaluates every later gate, for the report, without changing the outcome.
+    """
     switch = envs.read_flag(envs.SWITCH, environ)
     verify = envs.read_flag(envs.VERIFY, environ)
     allow = envs.read_flag(envs.ALLOW_UNTESTED_VLLM, environ)
     warnings = [f.error for f in (switch, verify, allow) if f.error]
     gates: list[Gate] = []
+    lookup = None
+    module = None
 
-    def stop(gate: Gate) -> Decision:
+    def run_gates():
+        nonlocal lookup, module
+        if switch.enabled:
+            yield Gate("switch", True, f"{envs.SWITCH}={switch.raw}")
+        else:
+            yield Gate("switch", False, switch.error or f"{envs.SWITCH} is not set to 1")
+        yield check_version(vllm_version(), allow.enabled)
+        rocm, gfx950 = _check_platform()
+        yield rocm
+        yield gfx950
+        lookup = find_kernel()
+        if lookup.kernel is None:
+            yield Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
+        else:
+            yield Gate("kernel", True, f"found {lookup.location}")
+        target_gate, module = _check_target()
+        yield target_gate
+
+    first_failure: Gate | None = None
+    for gate in run_gates():
         gates.append(gate)
-        return Decision(False, gate.detail, gates, verify=verify.enabled, warnings=warnings)
+        if not gate.ok and first_failure is None:
+            first_failure = gate
+            if not full:
+                break
 
-    if not switch.enabled:
-        detail = f"{envs.SWITCH} is not set to 1" if switch.error is None else switch.error
-        return stop(Gate("switch", False, detail))
-    gates.append(Gate("switch", True, f"{envs.SWITCH}={switch.raw}"))
-
-    version_gate = check_version(vllm_version(), allow.enabled)
-    if not version_gate.ok:
-        return stop(version_gate)
-    gates.append(version_gate)
-
-    rocm, gfx950 = _check_platform()
-    if not rocm.ok:
-        return stop(rocm)
-    gates.append(rocm)
-    if not gfx950.ok:
-        return stop(gfx950)
-    gates.append(gfx950)
-
-    lookup = find_kernel()
-    if lookup.kernel is None:
-        return stop(Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})"))
-    gates.append(Gate("kernel", True, f"found {lookup.location}"))
-
-    target_gate, module = _check_target()
-    if not target_gate.ok:
-        return stop(target_gate)
-    gates.append(target_gate)
-
+    if first_failure is not None:
+        return Decision(False, first_failure.detail, gates, verify=verify.enabled, warnings=warnings)
+    assert lookup is not None
     return Decision(
         True,
         "all gates passed",

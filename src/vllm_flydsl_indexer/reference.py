@@ -305,3 +305,56 @@ def make_paged_problem(
         block_size=block_size,
         preshuffle=preshuffle,
     )
+
+
+def gluon_contract_reference(
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    Preshuffle=False,
+    KVBlockSize=1,
+    **_tuning,
+) -> torch.Tensor:
+    """Gluon's contract with ``deepgemm_fp8_paged_mqa_logits``'s signature (reference, not a kernel)."""
+    return fp8_paged_mqa_logits_reference(
+        q_fp8,
+        kv_cache,
+        weights,
+        out_logits,
+        context_lens,
+        kv_indices,
+        max_model_len,
+        preshuffle=Preshuffle,
+        contract="gluon",
+    )
+
+
+def flydsl_contract_reference(
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    *,
+    Preshuffle=False,
+    KVBlockSize=1,
+    **_tuning,
+) -> torch.Tensor:
+    """FlyDSL's contract with ``flydsl_fp8_paged_mqa_logits``'s signature (reference, not a kernel)."""
+    return fp8_paged_mqa_logits_reference(
+        q_fp8,
+        kv_cache,
+        weights,
+        out_logits,
+        context_lens,
+        kv_indices,
+        max_model_len,
+        preshuffle=Preshuffle,
+        contract="flydsl",
+    )

@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The two arms that ``check`` and ``bench`` compare, on this machine.
+
+* **Real kernels** when aiter provides both the Gluon and the FlyDSL kernel and
+  the device is gfx950: exactly what vLLM's stock function and the plugin run.
+* **Reference contracts** everywhere else: the pure-torch references of the
+  two write contracts. They are labelled as such and never presented as
+  kernels.
+
+The FlyDSL arm always runs through :class:`~vllm_flydsl_indexer.adapter.FlyDSLRouter`,
+the code the plugin installs, with hooks that mirror vLLM's.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from vllm_flydsl_indexer._logging import get_logger
+from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
+from vllm_flydsl_indexer.kernel_lookup import find_kernel
+from vllm_flydsl_indexer.reference import flydsl_contract_reference, gluon_contract_reference
+
+GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
+GLUON_NAME = "deepgemm_fp8_paged_mqa_logits"
+
+
+@dataclass
+class Arms:
+    real: bool
+    label: str
+    why: str
+    gluon: Callable[..., torch.Tensor]
+    flydsl: Callable[..., torch.Tensor]
+
+
+def _find_gluon() -> tuple[Callable | None, str]:
+    problems = []
+    for path in GLUON_MODULES:
+        try:
+            fn = getattr(importlib.import_module(path), GLUON_NAME, None)
+        except Exception as e:  # noqa: BLE001 - a probe reports, never raises
+            problems.append(f"{path}: {type(e).__name__}")
+            continue
+        if callable(fn):
+            return fn, f"{path}.{GLUON_NAME}"
+        problems.append(f"{path}: no {GLUON_NAME}")
+    return None, "; ".join(problems)
+
+
+def device_is_gfx950(device: torch.device) -> bool:
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.version.hip is None:
+        return False
+    return "gfx950" in torch.cuda.get_device_properties(device).gcnArchName
+
+
+def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
+    reference = Arms(
+        False,
+        "reference contracts (pure torch; NOT the real kernels)",
+        "",
+        gluon_contract_reference,
+        flydsl_contract_reference,
+    )
+    if force_reference:
+        reference.why = "--reference asked for"
+        return reference
+    if not device_is_gfx950(device):
+        reference.why = f"device {device} is not a gfx950 GPU"
+        return reference
+    gluon, where = _find_gluon()
+    if gluon is None:
+        reference.why = f"aiter's Gluon kernel not found ({where})"
+        return reference
+    lookup = find_kernel()
+    if lookup.kernel is None:
+        reference.why = f"aiter's FlyDSL kernel not found ({lookup.reason})"
+        return reference
+    return Arms(
+        True, "real kernels: aiter Gluon vs aiter FlyDSL", f"{where}, {lookup.location}", gluon, lookup.kernel
+    )
+
+
+class Workspace:
+    """Mimics vLLM's workspace: every request is a view from the buffer's start."""
+
+    def __init__(self, max_rows: int, max_model_len: int, device: torch.device):
+        self.buffer = torch.empty(max_rows * max_model_len, dtype=torch.float32, device=device)
+
+    def get(self, rows: int, max_model_len: int) -> torch.Tensor:
+        return self.buffer[: rows * max_model_len].view(rows, max_model_len)
+
+
+def per_sequence_context_lens(context_lens: torch.Tensor) -> torch.Tensor:
+    """vLLM's ``_per_sequence_context_lens``, for use without vLLM."""
+    if context_lens.dim() == 2 and context_lens.shape[1] > 1:
+        return context_lens[:, -1].contiguous()
+    return context_lens
+
+
+def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Tensor]:
+    """vLLM 0.33.0's gfx950 Gluon branch of ``rocm_fp8_paged_mqa_logits``, verbatim in effect."""
+
+    def rocm_fp8_paged_mqa_logits(
+        q_fp8,
+        kv_cache_fp8,
+        weights,
+        context_lens,
+        block_tables,
+        schedule_metadata,
+        max_model_len,
+        *,
+        compress_ratio=1,
+    ):
+        batch_size, next_n = q_fp8.shape[:2]
+        block_size = kv_cache_fp8.shape[1]
+        out = workspace.get(batch_size * next_n, max_model_len)
+        gluon(
+            q_fp8,
+            kv_cache_fp8,
+            weights,
+            out,
+            per_sequence_context_lens(context_lens),
+            block_tables,
+            max_model_len,
+            ChunkK=256,
+            Preshuffle=block_size > 1,
+            KVBlockSize=block_size,
+            WavePerEU=2,
+        )
+        return out
+
+    return rocm_fp8_paged_mqa_logits
+
+
+def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None = None) -> FlyDSLRouter:
+    """The plugin's router over the stock call, with hooks mirroring vLLM's."""
+    hooks = StockHooks(
+        stock_uses_gluon=lambda compress_ratio, block_size: not (compress_ratio == 4 and block_size > 1),
+        output_buffer=workspace.get,
+        per_sequence_lens=per_sequence_context_lens,
+        dcp_world_size=lambda: 1,
+    )
+    return FlyDSLRouter(stock_call(arms.gluon, workspace), arms.flydsl, hooks, logger or get_logger())

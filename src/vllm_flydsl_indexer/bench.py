@@ -1,0 +1,453 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-flydsl-indexer bench``: an honest A/B benchmark of the decode logits.
+
+Arms (every one available here):
+
+* ``gluon`` and ``flydsl``: aiter's kernels, called directly (gfx950 only);
+* ``stock-call`` and ``patched-call``: vLLM's stock gfx950 call and the
+  plugin's patched call, end to end (adapter included);
+* ``reference``: the pure-torch reference, always. Where the real kernels are
+  absent, the two calls run over the reference contracts and say so.
+
+Honest footprint: one distinct physical block per needed block under a
+shuffled table, exact context lengths (``--vary-lengths`` to vary them), and
+several input sets rotated between iterations so that no case is timed out of
+cache. ``kv_mb`` is the distinct KV bytes one input set touches. Every arm
+must pass ``check``'s agreement rule before it is timed. Timing uses device
+events after warm-up; the median, min and max over repeats are reported.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.arms import Arms, Workspace, detect_arms, patched_call, stock_call
+from vllm_flydsl_indexer.progress import Progress
+from vllm_flydsl_indexer.reference import (
+    PagedProblem,
+    fp8_paged_mqa_logits_reference,
+    make_paged_problem,
+    per_sequence_lens,
+)
+
+POOL_LIMIT_BYTES = 2**31  # FlyDSL's i32 offsets
+GPU_GRID = dict(
+    heads=(64, 32),
+    block_size=(1, 64),
+    next_n=(1, 2),
+    batch=(1, 8, 32, 128),
+    context_len=(4096, 32768, 131072),
+)
+CPU_GRID = dict(heads=(64, 32), block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--heads", type=_ints, help="comma list (default 64,32)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=_ints, help="comma list; >1 means preshuffle (default 1,64)")
+    p.add_argument("--next-n", type=_ints, help="comma list (default 1,2)")
+    p.add_argument("--batch", type=_ints, help="comma list (default 1,8,32,128 on GPU; 1,4 on CPU)")
+    p.add_argument(
+        "--context-len", type=_ints, help="comma list (default 4096,32768,131072 on GPU; 4096 on CPU)"
+    )
+    p.add_argument(
+        "--vary-lengths", action="store_true", help="random lengths in [ctx/2, ctx] (default: exact)"
+    )
+    p.add_argument(
+        "--input-sets", type=int, help="input sets rotated between iterations (default 4 GPU, 2 CPU)"
+    )
+    p.add_argument(
+        "--pool-blocks",
+        type=int,
+        help="opt-in cache study: share a pool of this many physical blocks (kv_mb shrinks)",
+    )
+    p.add_argument("--arms", help="comma list to run a subset of the available arms")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, help="timed iterations (default 20 GPU, 3 CPU)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", help="write results as JSON")
+    p.add_argument("--csv", dest="csv_path", help="write results as CSV")
+    p.add_argument(
+        "--plot", dest="plot_path", help="PNG: speedup of each arm over gluon/reference (matplotlib)"
+    )
+
+
+@dataclass
+class Shape:
+    heads: int
+    head_dim: int
+    block_size: int
+    next_n: int
+    batch: int
+    context_len: int
+
+    @property
+    def label(self) -> str:
+        kind = "shuf" if self.block_size > 1 else "plain"
+        return (
+            f"H{self.heads} D{self.head_dim} KVB{self.block_size}{kind} n{self.next_n} "
+            f"B{self.batch} ctx{self.context_len // 1024}k"
+        )
+
+    def pool_bytes(self) -> int:
+        blocks = self.batch * -(-self.context_len // self.block_size)
+        return blocks * self.block_size * (self.head_dim + 4)
+
+
+@dataclass
+class ArmResult:
+    shape: dict
+    arm: str
+    real_kernel: bool
+    status: str  # "timed", "FAILED-GATE: ...", "skipped: ..."
+    kv_mb: float = 0.0
+    median_us: float | None = None
+    min_us: float | None = None
+    max_us: float | None = None
+    gbytes: float = 0.0
+    gflops: float = 0.0
+    achieved_gbps: float | None = None
+    copy_bw_fraction: float | None = None
+    speedup_vs_baseline: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def traffic(problem: PagedProblem) -> tuple[int, int]:
+    """Fewest bytes moved and FLOPs for one call: KV, q, weights read once; logits written once."""
+    _, next_n, heads, head_dim = problem.q_fp8.shape
+    lens = per_sequence_lens(problem.context_lens, problem.batch).tolist()
+    kv = sum(lens) * (head_dim + 4)
+    cols = sum(max(0, n - next_n + i + 1) for n in lens for i in range(next_n))
+    q = problem.q_fp8.numel()
+    w = problem.weights.numel() * 4
+    flops = cols * heads * (2 * head_dim + 2)
+    return kv + q + w + cols * 4, flops
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def time_us(self, fn: Callable[[int], object], warmup: int, repeats: int) -> list[float]:
+        for i in range(warmup):
+            fn(i)
+        samples = []
+        for i in range(repeats):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn(i)
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+            else:
+                t0 = time.perf_counter()
+                fn(i)
+                samples.append((time.perf_counter() - t0) * 1e6)
+        return samples
+
+
+def copy_bandwidth_gbps(device: torch.device) -> float | None:
+    """Measured device-to-device copy bandwidth (bytes read + written), GPU only."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2 * 1024**3 // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    us = statistics.median(Timer(device).time_us(lambda i: dst.copy_(src), 3, 10))
+    return 2 * 2 * 1024**3 / (us * 1e-6) / 1e9
+
+
+def build_problem(shape: Shape, args, gen: torch.Generator, device: torch.device) -> PagedProblem:
+    if args.vary_lengths:
+        low = max(shape.next_n, shape.context_len // 2)
+        lens = torch.randint(low, shape.context_len + 1, (shape.batch,), generator=gen).tolist()
+    else:
+        lens = [shape.context_len] * shape.batch
+    problem = make_paged_problem(
+        lens,
+        next_n=shape.next_n,
+        heads=shape.heads,
+        head_dim=shape.head_dim,
+        block_size=shape.block_size,
+        preshuffle=shape.block_size > 1,
+        max_model_len=shape.context_len,
+        spare_blocks=0,
+        generator=gen,
+        device=device,
+    )
+    if args.pool_blocks:
+        problem.block_tables = problem.block_tables % args.pool_blocks
+        problem.kv_cache = problem.kv_cache[: args.pool_blocks].contiguous()
+    return problem
+
+
+def arm_callables(arms: Arms, workspace: Workspace) -> dict[str, tuple[bool, Callable]]:
+    """name -> (is a real kernel, fn(problem) -> logits)."""
+
+    def raw(kernel, **kw):
+        def run(p: PagedProblem):
+            out = workspace.get(p.batch * p.next_n, p.max_model_len)
+            kernel(
+                p.q_fp8,
+                p.kv_cache,
+                p.weights,
+                out,
+                per_sequence_lens(p.context_lens, p.batch),
+                p.block_tables,
+                p.max_model_len,
+                Preshuffle=p.block_size > 1,
+                KVBlockSize=p.block_size,
+                **kw,
+            )
+            return out
+
+        return run
+
+    def call(fn):
+        return lambda p: fn(
+            p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len
+        )
+
+    def reference(p: PagedProblem):
+        out = workspace.get(p.batch * p.next_n, p.max_model_len)
+        return fp8_paged_mqa_logits_reference(
+            p.q_fp8,
+            p.kv_cache,
+            p.weights,
+            out,
+            p.context_lens,
+            p.block_tables,
+            p.max_model_len,
+            preshuffle=p.block_size > 1,
+            contract="flydsl",
+        )
+
+    found: dict[str, tuple[bool, Callable]] = {}
+    suffix = "" if arms.real else "[ref]"
+    if arms.real:
+        found["gluon"] = (True, raw(arms.gluon, ChunkK=256, WavePerEU=2))
+        found["flydsl"] = (True, raw(arms.flydsl))
+    found["stock-call" + suffix] = (arms.real, call(stock_call(arms.gluon, workspace)))
+    found["patched-call" + suffix] = (arms.real, call(patched_call(arms, workspace)))
+    found["reference"] = (False, reference)
+    return found
+
+
+def gate(
+    fn: Callable, baseline: torch.Tensor, problem: PagedProblem, workspace: Workspace, real: bool
+) -> str | None:
+    workspace.buffer.fill_(float("nan"))
+    out = fn(problem).clone()
+    rows = problem.batch * problem.next_n
+    ends = read_window_ends(problem.context_lens, rows, problem.next_n)
+    result = compare_in_windows(baseline, out, ends, topk=2048)
+    return None if result.ok(REAL_KERNEL_TOLERANCE if real else 1e-5) else result.describe()
+
+
+def shapes_from(args, device: torch.device) -> list[Shape]:
+    grid = GPU_GRID if device.type == "cuda" else CPU_GRID
+    pick = {k: getattr(args, k) or v for k, v in grid.items()}
+    return [
+        Shape(h, args.head_dim, bs, n, b, c)
+        for h, bs, n, b, c in itertools.product(
+            pick["heads"], pick["block_size"], pick["next_n"], pick["batch"], pick["context_len"]
+        )
+    ]
+
+
+def run(args) -> tuple[list[ArmResult], dict]:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    arms = detect_arms(device, force_reference=args.reference)
+    repeats = args.repeats or (20 if device.type == "cuda" else 3)
+    n_sets = args.input_sets or (4 if device.type == "cuda" else 2)
+    copy_bw = copy_bandwidth_gbps(device)
+    timer = Timer(device)
+    results: list[ArmResult] = []
+    shapes = shapes_from(args, device)
+    wanted = set(args.arms.split(",")) if args.arms else None
+    with Progress(len(shapes), "bench") as progress:
+        for idx, shape in enumerate(shapes):
+            progress.step(shape.label)
+            if shape.pool_bytes() >= POOL_LIMIT_BYTES and not args.pool_blocks:
+                results.append(
+                    ArmResult(asdict(shape), "*", False, "skipped: KV pool >= 2 GiB (FlyDSL i32 offsets)")
+                )
+                continue
+            gen = torch.Generator().manual_seed(args.seed + idx)
+            problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
+            workspace = Workspace(shape.batch * shape.next_n, shape.context_len, device)
+            p0 = problems[0]
+            workspace.buffer.fill_(float("nan"))
+            baseline = fp8_paged_mqa_logits_reference(
+                p0.q_fp8,
+                p0.kv_cache,
+                p0.weights,
+                workspace.get(p0.batch * p0.next_n, p0.max_model_len),
+                p0.context_lens,
+                p0.block_tables,
+                p0.max_model_len,
+                preshuffle=p0.block_size > 1,
+                contract="gluon",
+            ).clone()
+            nbytes, flops = traffic(p0)
+            kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
+            for name, (real, fn) in arm_callables(arms, workspace).items():
+                if wanted and name not in wanted:
+                    continue
+                r = ArmResult(
+                    asdict(shape), name, real, "timed", kv_mb=kv_mb, gbytes=nbytes / 1e9, gflops=flops / 1e9
+                )
+                problem_ = gate(fn, baseline, p0, workspace, real)
+                if problem_ is not None:
+                    r.status = f"FAILED-GATE: {problem_}"
+                    results.append(r)
+                    continue
+                samples = timer.time_us(
+                    lambda i, fn=fn, ps=problems: fn(ps[i % n_sets]), args.warmup, repeats
+                )
+                r.median_us, r.min_us, r.max_us = statistics.median(samples), min(samples), max(samples)
+                r.achieved_gbps = nbytes / (r.median_us * 1e-6) / 1e9
+                if copy_bw:
+                    r.copy_bw_fraction = r.achieved_gbps / copy_bw
+                results.append(r)
+            _speedups([r for r in results if r.shape == asdict(shape)])
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "arms": arms.label,
+        "arms_why": arms.why,
+        "repeats": repeats,
+        "input_sets": n_sets,
+        "copy_bw_gbps": copy_bw,
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "command": " ".join(sys.argv),
+    }
+    return results, meta
+
+
+def _speedups(rows: list[ArmResult]) -> None:
+    timed = {r.arm: r for r in rows if r.median_us}
+    base = timed.get("gluon") or timed.get("reference")
+    if base is None:
+        return
+    for r in timed.values():
+        r.speedup_vs_baseline = base.median_us / r.median_us
+
+
+def render(results: list[ArmResult], meta: dict) -> str:
+    header = (
+        "shape",
+        "arm",
+        "kv_mb",
+        "median us",
+        "min us",
+        "max us",
+        "GB/s",
+        "% copy bw",
+        "x base",
+        "status",
+    )
+    rows = []
+    for r in results:
+        s = Shape(**r.shape)
+        rows.append(
+            (
+                s.label,
+                r.arm,
+                f"{r.kv_mb:.1f}",
+                *(
+                    f"{v:.1f}" if v is not None else "-"
+                    for v in (r.median_us, r.min_us, r.max_us, r.achieved_gbps)
+                ),
+                f"{100 * r.copy_bw_fraction:.0f}%" if r.copy_bw_fraction else "-",
+                f"{r.speedup_vs_baseline:.2f}" if r.speedup_vs_baseline else "-",
+                r.status,
+            )
+        )
+    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
+
+    def fmt(row):
+        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+
+    copy = f"{meta['copy_bw_gbps']:.0f} GB/s" if meta["copy_bw_gbps"] else "n/a (CPU)"
+    head = [
+        f"device: {meta['device']}  arms: {meta['arms']}"
+        + (f" [{meta['arms_why']}]" if meta["arms_why"] else ""),
+        f"repeats: {meta['repeats']}  input sets rotated: {meta['input_sets']}  measured copy bw: {copy}",
+        "x base = median speedup over gluon where present, else over the reference",
+        "",
+    ]
+    return "\n".join(head + [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in rows])
+
+
+def write_outputs(results: list[ArmResult], meta: dict, args) -> None:
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+    if args.csv_path:
+        flat = [
+            {**r.shape, **{k: v for k, v in asdict(r).items() if k not in ("shape", "extra")}}
+            for r in results
+        ]
+        with open(args.csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(flat[0]))
+            writer.writeheader()
+            writer.writerows(flat)
+    if args.plot_path:
+        plot(results, meta, args.plot_path)
+
+
+def plot(results: list[ArmResult], meta: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise SystemExit("--plot needs matplotlib: pip install 'vllm-flydsl-indexer[plot]'") from e
+    labels = sorted({Shape(**r.shape).label for r in results if r.speedup_vs_baseline})
+    arms = sorted({r.arm for r in results if r.speedup_vs_baseline})
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels) * max(1, len(arms))), 4.5))
+    width = 0.8 / max(1, len(arms))
+    for j, arm in enumerate(arms):
+        ys = []
+        for lab in labels:
+            match = [r for r in results if r.arm == arm and Shape(**r.shape).label == lab]
+            ys.append(match[0].speedup_vs_baseline if match and match[0].speedup_vs_baseline else 0)
+        ax.bar([i + j * width for i in range(len(labels))], ys, width, label=arm)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=60, ha="right", fontsize=7
+    )
+    ax.set_ylabel("speedup (median) over baseline")
+    ax.set_title(f"decode logits A/B on {meta['device']} ({meta['arms']})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(args) -> int:
+    results, meta = run(args)
+    print(render(results, meta))
+    write_outputs(results, meta, args)
+    failed = [r for r in results if r.status.startswith("FAILED")]
+    if failed:
+        print(f"bench: {len(failed)} arm(s) failed the correctness gate and were not timed", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,114 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-flydsl-indexer doctor``: which arm this machine runs, and why.
+
+It evaluates the same gates as ``register()``, in the same order and with the
+same wording, and never raises: every probe failure becomes a line.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import sys
+from typing import Any
+
+from vllm_flydsl_indexer import envs, gates
+
+NOT_INSTALLED = "not installed"
+# Distribution names to read versions from, first found wins. aiter's ROCm
+# wheels are published as amd-aiter; "aiter" on PyPI is an unrelated library.
+PACKAGES = {
+    "torch": ("torch",),
+    "vllm": ("vllm",),
+    "aiter": ("amd-aiter", "aiter"),
+    "flydsl": ("flydsl",),
+    "triton": ("triton", "pytorch-triton-rocm"),
+}
+
+
+def package_version(dists: tuple[str, ...]) -> str:
+    for dist in dists:
+        try:
+            return f"{importlib.metadata.version(dist)} ({dist})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return NOT_INSTALLED
+
+
+def platform_report() -> dict[str, Any]:
+    """The platform and arch as vLLM sees them; never raises."""
+    if gates.vllm_version() is None:
+        return {"vllm_platform": "vLLM not installed", "gcn_arch": None}
+    try:
+        from vllm.platforms import current_platform
+
+        name = type(current_platform).__name__
+        arch = None
+        if current_platform.is_rocm():
+            from vllm.platforms.rocm import _GCN_ARCH
+
+            arch = str(_GCN_ARCH)
+        return {"vllm_platform": name, "gcn_arch": arch}
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        return {"vllm_platform": f"unavailable ({type(e).__name__}: {e})", "gcn_arch": None}
+
+
+def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    decision = gates.evaluate(environ, full=True)
+    switch = envs.read_flag(envs.SWITCH, environ)
+    return {
+        "versions": {
+            "python": platform.python_version(),
+            **{name: package_version(dists) for name, dists in PACKAGES.items()},
+        },
+        "platform": platform_report(),
+        "switch": {
+            "name": envs.SWITCH,
+            "value": switch.raw,
+            "parsed": switch.error is None,
+            "enabled": switch.enabled,
+            "error": switch.error,
+        },
+        "verify": envs.read_flag(envs.VERIFY, environ).enabled,
+        "gates": [{"name": g.name, "ok": g.ok, "detail": g.detail} for g in decision.gates],
+        "arm": "flydsl" if decision.active else "stock",
+        "reason": decision.reason,
+        "log_line": decision.log_line(),
+        "warnings": decision.warnings,
+    }
+
+
+def render(data: dict[str, Any]) -> str:
+    out = ["vllm-flydsl-indexer doctor", "", "versions:"]
+    out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
+    plat = data["platform"]
+    out += ["", f"platform: {plat['vllm_platform']}" + (f" ({plat['gcn_arch']})" if plat["gcn_arch"] else "")]
+    sw = data["switch"]
+    shown = "unset" if sw["value"] is None else repr(sw["value"])
+    parsed = "parsed" if sw["parsed"] else "DID NOT PARSE"
+    out += [f"switch:   {sw['name']}={shown} ({parsed}, {'on' if sw['enabled'] else 'off'})", "", "gates:"]
+    first_failure_seen = False
+    for i, g in enumerate(data["gates"], 1):
+        mark = "ok  " if g["ok"] else "FAIL"
+        note = ""
+        if not g["ok"]:
+            note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
+            first_failure_seen = True
+        out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
+    out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
+    out += [f"log line: {data['log_line']}"]
+    out += [f"warning:  {w}" for w in data["warnings"]]
+    return "\n".join(out)
+
+
+def main(as_json: bool, strict: bool) -> int:
+    data = report()
+    if as_json:
+        print(json.dumps(data, indent=2))
+    else:
+        print(render(data))
+    if strict and data["arm"] != "flydsl":
+        print(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})", file=sys.stderr)
+        return 1
+    return 0
