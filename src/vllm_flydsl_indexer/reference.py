@@ -240,6 +240,8 @@ def make_paged_problem(
     spare_blocks: int = 2,
     per_row_bounds: bool = True,
     compress_ratio: int = 1,
+    pool_blocks: int | None = None,
+    block_table_width: int | None = None,
     generator: torch.Generator | None = None,
     device: torch.device | str = "cpu",
 ) -> PagedProblem:
@@ -252,6 +254,8 @@ def make_paged_problem(
       including the new tokens; with ``compress_ratio > 1`` the cache holds
       ``L_b // ratio`` compressed tokens and the bounds are floor-divided, as
       vLLM's DeepSeek V4 path does.
+    * ``pool_blocks`` and ``block_table_width`` fix the cache and table shapes
+      (for graph replay on fresh inputs); by default they fit the lengths.
     """
     device = torch.device(device)
     gen = generator if generator is not None else torch.Generator().manual_seed(0)
@@ -259,11 +263,13 @@ def make_paged_problem(
     lens = full_lens // compress_ratio
     batch = lens.numel()
     blocks_per_seq = ((lens + block_size - 1) // block_size).clamp_min(1)
-    max_blocks = int(blocks_per_seq.max())
+    max_blocks = int(blocks_per_seq.max()) if block_table_width is None else block_table_width
     if max_model_len is None:
         max_model_len = max_blocks * block_size
     needed = int(blocks_per_seq.sum())
-    num_blocks = needed + spare_blocks
+    num_blocks = needed + spare_blocks if pool_blocks is None else pool_blocks
+    if num_blocks < needed or max_blocks < int(blocks_per_seq.max()):
+        raise ValueError("pool_blocks or block_table_width too small for these lengths")
 
     keys = torch.randn(needed, block_size, head_dim, generator=gen)
     # Vary magnitudes per token so scales differ.

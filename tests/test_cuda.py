@@ -1,0 +1,232 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What a CUDA GPU can prove about the hot path (run on the H200 via the device tool).
+
+The adapter runs over a graph-capturable double of the FlyDSL kernel built on
+the reference (``flydsl_contract_reference``); the stock call runs over the
+Gluon-contract reference. None of this needs vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.arms import Arms, Workspace, patched_call, stock_call
+from vllm_flydsl_indexer.reference import (
+    flydsl_contract_reference,
+    fp8_paged_mqa_logits_reference,
+    gluon_contract_reference,
+    make_paged_problem,
+)
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA/HIP GPU (the H200 via the device tool)"
+    ),
+]
+
+LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
+B, MML, KVB = 8, 4096, 64
+POOL = B * MML // KVB + 16
+
+
+def problem(seed: int, next_n: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(next_n, MML + 1, (B,), generator=gen)
+    lens[0] = MML  # fixed shapes for replay
+    lens[1] = 0  # a padding row
+    return make_paged_problem(
+        lens.tolist(),
+        next_n=next_n,
+        heads=64,
+        head_dim=128,
+        block_size=KVB,
+        preshuffle=True,
+        max_model_len=MML,
+        pool_blocks=POOL,
+        block_table_width=MML // KVB,
+        generator=gen,
+        device="cuda",
+    )
+
+
+def args_of(p):
+    return [p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables]
+
+
+def router_and_workspace(next_n: int = 2, kernel=flydsl_contract_reference):
+    ws = Workspace(B * next_n, MML, torch.device("cuda"))
+    arms = Arms(False, "reference contracts", "", gluon_contract_reference, kernel)
+    return patched_call(arms, ws), ws
+
+
+def expected(p):
+    out = torch.full((p.batch * p.next_n, MML), float("nan"), device="cuda")
+    return fp8_paged_mqa_logits_reference(
+        p.q_fp8,
+        p.kv_cache,
+        p.weights,
+        out,
+        p.context_lens,
+        p.block_tables,
+        MML,
+        preshuffle=True,
+        contract="flydsl",
+    )
+
+
+def test_patched_call_captures_and_replays_on_fresh_inputs():
+    router, ws = router_and_workspace()
+    static = problem(0)
+    static_args = args_of(static)
+    router(*static_args, None, MML)  # eager first call: FlyDSL "compiles" outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        router(*static_args, None, MML)  # side-stream warm-up, as torch recommends
+    torch.cuda.current_stream().wait_stream(stream)
+    taken_before = router.calls_taken
+    with torch.cuda.graph(graph):
+        out = router(*static_args, None, MML)
+    assert router.calls_taken == taken_before + 1, "the FlyDSL arm was not the one captured"
+    for seed in (1, 2, 3):
+        fresh = problem(seed)
+        for dst, src in zip(static_args, args_of(fresh), strict=True):
+            dst.copy_(src)
+        ws.buffer.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = expected(fresh)
+        ends = read_window_ends(fresh.context_lens, B * 2, 2)
+        result = compare_in_windows(want, out, ends, topk=256)
+        assert result.ok(0), result.describe()
+        assert result.nan_free
+
+
+def test_adapter_issues_no_host_sync():
+    router, _ = router_and_workspace()
+    p = problem(5)
+    router(*args_of(p), None, MML)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            router(*args_of(p), None, MML)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert router.calls_taken == 4
+
+
+def _device_ops(fn) -> int:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+
+@pytest.mark.parametrize("next_n", [1, 2])
+def test_adapter_launches_nothing_stock_does_not(next_n):
+    p = problem(7, next_n)
+    ws = Workspace(B * next_n, MML, torch.device("cuda"))
+    arms = Arms(False, "reference contracts", "", gluon_contract_reference, flydsl_contract_reference)
+    router = patched_call(arms, ws)
+    stock = stock_call(gluon_contract_reference, ws)
+    call_args = (*args_of(p), None, MML)
+    lens = p.context_lens[:, -1].contiguous() if next_n > 1 else p.context_lens
+    router(*call_args)
+    stock(*call_args)  # warm both
+
+    def kernel_alone(kernel, **kw):
+        return lambda: kernel(
+            p.q_fp8,
+            p.kv_cache,
+            p.weights,
+            ws.get(B * next_n, MML),
+            lens,
+            p.block_tables,
+            MML,
+            Preshuffle=True,
+            KVBlockSize=KVB,
+            **kw,
+        )
+
+    adapter_extra = _device_ops(lambda: router(*call_args)) - _device_ops(
+        kernel_alone(flydsl_contract_reference)
+    )
+    stock_extra = _device_ops(lambda: stock(*call_args)) - _device_ops(
+        kernel_alone(gluon_contract_reference, ChunkK=256, WavePerEU=2)
+    )
+    assert router.calls_taken == 2
+    assert adapter_extra == stock_extra, (adapter_extra, stock_extra)
+    # Stock and adapter alike: one copy for the per-sequence lengths when next_n > 1, none otherwise.
+    assert adapter_extra == (1 if next_n > 1 else 0)
+
+
+def test_first_compile_never_happens_inside_capture():
+    compiled: set[tuple] = set()
+
+    def jit_kernel(q, kv, w, out, lens, bt, mml, *, Preshuffle=False, KVBlockSize=1, **kw):
+        key = (q.shape[2], q.shape[3], KVBlockSize)
+        if key not in compiled:
+            torch.cuda.synchronize()  # a first-call JIT: illegal inside capture
+            compiled.add(key)
+        return flydsl_contract_reference(
+            q, kv, w, out, lens, bt, mml, Preshuffle=Preshuffle, KVBlockSize=KVBlockSize
+        )
+
+    router, ws = router_and_workspace(kernel=jit_kernel)
+    p = problem(9)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # unwarmed: the adapter keeps stock for this capture
+        router(*args_of(p), None, MML)
+    assert router.calls_taken == 0 and router.calls_delegated == 1 and compiled == set()
+    router(*args_of(p), None, MML)  # eager step compiles
+    graph2 = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph2):
+        out = router(*args_of(p), None, MML)
+    graph2.replay()
+    torch.cuda.synchronize()
+    assert router.calls_taken == 2
+    ends = read_window_ends(p.context_lens, B * 2, 2)
+    assert compare_in_windows(expected(p), out, ends, topk=256).ok(0)
+
+
+def test_bench_runs_end_to_end_on_gpu(tmp_path):
+    from vllm_flydsl_indexer import cli
+
+    path = tmp_path / "bench.json"
+    rc = cli.main(
+        [
+            "bench",
+            "--batch",
+            "4",
+            "--context-len",
+            "8192",
+            "--heads",
+            "64",
+            "--next-n",
+            "2",
+            "--block-size",
+            "64",
+            "--repeats",
+            "5",
+            "--json",
+            str(path),
+        ]
+    )
+    assert rc == 0
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["meta"]["copy_bw_gbps"] > 100
+    assert all(r["status"] == "timed" and r["median_us"] > 0 for r in data["results"])
