@@ -262,3 +262,20 @@ def test_no_first_time_compile_inside_capture():
     capturing.value = True
     router(*as_args(p), compress_ratio=1)  # now captured with FlyDSL
     assert len(compiled_during_capture) == 1 and len(original.calls) == 1
+
+
+def test_memoised_verdict_still_checks_contiguity_live():
+    p = base_problem()
+    original = Recorder()
+    router = FlyDSLRouter(original, flydsl_double(), hooks(), LOGGER)
+    router(*as_args(p), compress_ratio=1)
+    assert router.calls_taken == 1
+    # Same shape and dtype, but a strided view: must not reuse the earlier verdict.
+    wide = torch.zeros(p.kv_cache.shape[0], 64, 1, 2 * 132, dtype=torch.uint8)
+    strided = wide[..., :132]
+    assert strided.shape == p.kv_cache.shape and not strided.is_contiguous()
+    assert router(*as_args(p, kv_cache_fp8=strided), compress_ratio=1) is original.marker
+    # And a different DCP size is a different verdict for next_n > 1.
+    router.hooks = hooks(dcp=2)
+    assert router(*as_args(p), compress_ratio=1) is original.marker
+    assert router.calls_taken == 1 and len(original.calls) == 2

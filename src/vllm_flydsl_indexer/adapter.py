@@ -64,6 +64,10 @@ MIN_HEAD_MULTIPLE = 32
 MIN_HEAD_DIM_MULTIPLE = 64
 PRESHUFFLE_ALIGN = 16
 
+# Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
+MAX_MEMOISED_VERDICTS = 4096
+_UNKNOWN = object()
+
 # (heads, head_dim, KVBlockSize): FlyDSL's JIT cache key for the adapter's
 # calls (ChunkK and variant stay at FlyDSL's defaults; Preshuffle = KVB > 1).
 KernelConfig = tuple[int, int, int]
@@ -204,7 +208,9 @@ class StockHooks:
 
 
 def _is_capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    # Nothing can be capturing before CUDA/HIP is initialised; is_initialized()
+    # is a cheap flag read, unlike is_available(), which can query the driver.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class FlyDSLRouter:
@@ -232,9 +238,49 @@ class FlyDSLRouter:
         self.verifier = verifier
         self.is_capturing = is_capturing
         self.compiled: set[KernelConfig] = set()
+        self._verdicts: dict[tuple, str | None] = {}
         self.disabled_reason: str | None = None
         self.calls_taken = 0
         self.calls_delegated = 0
+
+    def _ineligibility(
+        self, q_fp8, kv_cache, weights, context_lens, block_tables, compress_ratio
+    ) -> str | None:
+        """:func:`ineligibility`, memoised on everything it reads but contiguity.
+
+        Shapes, dtypes, the ratio and the DCP size fully decide the verdict for
+        a contiguous cache; contiguity is checked live. The memo is bounded.
+        """
+        if not kv_cache.is_contiguous():
+            return "kv_cache is not contiguous (FlyDSL would copy it every call)"
+        key = (
+            q_fp8.shape,
+            kv_cache.shape,
+            weights.shape,
+            context_lens.shape,
+            block_tables.shape,
+            q_fp8.dtype,
+            kv_cache.dtype,
+            weights.dtype,
+            context_lens.dtype,
+            block_tables.dtype,
+            compress_ratio,
+            self.hooks.dcp_world_size(),
+        )
+        verdict = self._verdicts.get(key, _UNKNOWN)
+        if verdict is _UNKNOWN:
+            verdict = ineligibility(
+                q_fp8,
+                kv_cache,
+                weights,
+                context_lens,
+                block_tables,
+                compress_ratio=compress_ratio,
+                dcp_world_size=key[-1],
+            )
+            if len(self._verdicts) < MAX_MEMOISED_VERDICTS:
+                self._verdicts[key] = verdict
+        return verdict
 
     def _delegate(self, reason: str, args: tuple, compress_ratio: int) -> torch.Tensor:
         self.calls_delegated += 1
@@ -264,16 +310,7 @@ class FlyDSLRouter:
                 args,
                 compress_ratio,
             )
-        dcp = self.hooks.dcp_world_size() if q_fp8.dim() == 4 and q_fp8.shape[1] > 1 else 1
-        reason = ineligibility(
-            q_fp8,
-            kv_cache_fp8,
-            weights,
-            context_lens,
-            block_tables,
-            compress_ratio=compress_ratio,
-            dcp_world_size=dcp,
-        )
+        reason = self._ineligibility(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, compress_ratio)
         if reason is not None:
             return self._delegate(reason, args, compress_ratio)
 

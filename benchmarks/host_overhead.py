@@ -1,0 +1,116 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Host time per decode-logits call: stock vLLM vs the plugin's patched call.
+
+Runs real vLLM 0.33.0's ``rocm_fp8_paged_mqa_logits`` on CPU under the test
+suite's gfx950 simulation (amdsmi and aiter doubles from ``tests/doubles``),
+with both kernels replaced by no-ops so only Python host work is timed: the
+stock function's own checks, workspace lookup and argument handling, against
+the plugin's router. Both arms are timed side by side, interleaved, in one run.
+
+    python benchmarks/host_overhead.py [--calls 20000] [--rounds 7] [--json out.json]
+
+In PIECEWISE graph mode the call runs once per layer per step (61 layers on
+DeepSeek-V3.2), so the per-call difference times 61 is the per-step cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOUBLES = ROOT / "tests" / "doubles"
+LAYERS_DSV32 = 61
+
+
+def setup_simulation() -> None:
+    os.environ["VLLM_ROCM_USE_AITER"] = "1"
+    os.environ["VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"] = "1"
+    for sub in ("aiter_flydsl", "amdsmi_gfx950"):
+        sys.path.insert(0, str(DOUBLES / sub))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=20000, help="calls per round and arm")
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
+    parser.add_argument("--next-n", type=int, default=2)
+    parser.add_argument("--json", dest="json_path")
+    args = parser.parse_args()
+
+    setup_simulation()
+    import torch
+
+    import aiter.ops.triton.pa_mqa_logits as gluon
+    import vllm.v1.attention.ops.rocm_aiter_mla_sparse as target
+    from vllm.v1.worker.workspace import init_workspace_manager
+
+    import vllm_flydsl_indexer
+    from vllm_flydsl_indexer import patch
+    from vllm_flydsl_indexer.reference import make_paged_problem
+
+    def noop(*a, **k):
+        return None
+
+    gluon.deepgemm_fp8_paged_mqa_logits = noop
+    init_workspace_manager(torch.device("cpu"))
+    vllm_flydsl_indexer.register()
+    installed = patch.installed()
+    assert installed is not None, "plugin did not activate under the simulation"
+    installed.router.kernel = noop
+
+    p = make_paged_problem([4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64,
+                           preshuffle=True, spare_blocks=0)
+    call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    arms = {"stock": installed.original, "patched": target.rocm_fp8_paged_mqa_logits}
+    for fn in arms.values():  # warm caches (lru_cache, info_once)
+        for _ in range(100):
+            fn(*call_args)
+    taken_before = installed.router.calls_taken
+
+    per_call: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(args.rounds):
+        for name, fn in arms.items():
+            t0 = time.perf_counter()
+            for _ in range(args.calls):
+                fn(*call_args)
+            per_call[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+    assert installed.router.calls_taken - taken_before == args.rounds * args.calls, "patched arm delegated"
+
+    stock = statistics.median(per_call["stock"])
+    patched = statistics.median(per_call["patched"])
+    result = {
+        "cpu": _cpu_name(), "python": sys.version.split()[0], "torch": torch.__version__,
+        "next_n": args.next_n, "calls_per_round": args.calls, "rounds": args.rounds,
+        "stock_us": round(stock, 3), "patched_us": round(patched, 3),
+        "delta_us": round(patched - stock, 3), "ratio": round(patched / stock, 3),
+        "delta_per_step_61_layers_us": round((patched - stock) * LAYERS_DSV32, 1),
+        "samples_us": {k: [round(v, 3) for v in vs] for k, vs in per_call.items()},
+    }
+    print(f"host time per call (median of {args.rounds} interleaved rounds x {args.calls} calls, next_n={args.next_n})")
+    print(f"  stock   {stock:8.2f} us")
+    print(f"  patched {patched:8.2f} us")
+    print(f"  delta   {patched - stock:+8.2f} us  ratio {patched / stock:.3f}  "
+          f"({(patched - stock) * LAYERS_DSV32:+.1f} us per step at {LAYERS_DSV32} layers)")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

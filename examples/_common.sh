@@ -1,0 +1,179 @@
+# shellcheck shell=bash
+# Helpers shared by serve_tp8.sh, accuracy_ab.sh and throughput_ab.sh.
+# Source it (the scripts do); running it does nothing.
+#
+# Every variable below has a default and can be overridden from the environment.
+# Both arms of an A/B get the same server command line; the plugin switch is the
+# only difference between them (see arm_env).
+
+: "${MODEL:=deepseek-ai/DeepSeek-V3.2-Exp}"
+: "${TOKENIZER:=$MODEL}"
+: "${HOST:=127.0.0.1}"
+: "${PORT:=8000}"
+: "${TP:=8}"
+: "${SEED:=0}"
+# Extra `vllm serve` flags for both arms, split on spaces (e.g. "--max-model-len 131072").
+: "${EXTRA_SERVE_ARGS:=}"
+# An eager warm-up step before each CUDA-graph capture: FlyDSL JIT-compiles a
+# configuration on its first call and the plugin refuses to do that inside a
+# capture. Used for both arms so the A/B stays honest.
+DEFAULT_COMPILATION_CONFIG='{"cudagraph_num_of_warmups": 1}'
+: "${COMPILATION_CONFIG:=$DEFAULT_COMPILATION_CONFIG}"
+: "${HEALTH_TIMEOUT:=3600}" # seconds; loading and compiling a 671B model takes a while
+: "${HEALTH_POLL:=5}"       # seconds between /health probes (fractions work)
+: "${STOP_TIMEOUT:=120}"    # seconds to wait after SIGTERM before SIGKILL
+: "${PYTHON:=python3}"
+
+FLYDSL_SWITCH=VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS
+PLUGIN_NAME=flydsl_indexer
+# The one line each vLLM process logs (API server, EngineCore, every worker).
+ACTIVE_LINE="vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE"
+STOCK_LINE="vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive:"
+# Logged at most once per process: the verify canary failed, the process went stock.
+DISAGREE_LINE="paged MQA logits DISAGREE"
+# Logged once per distinct reason when an eligible-looking call kept the stock path.
+STOCK_CALL_LINE="vllm-flydsl-indexer: stock path for this call:"
+
+SERVER_PID=""
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() {
+	log "ERROR: $*"
+	exit 1
+}
+
+# check_arm ARM: accept only the two arm names.
+check_arm() {
+	case "$1" in
+	stock | flydsl) ;;
+	*) die "unknown arm '$1' (use stock or flydsl)" ;;
+	esac
+}
+
+# check_vllm_plugins: if VLLM_PLUGINS is set, it must name this plugin.
+check_vllm_plugins() {
+	if [[ -v VLLM_PLUGINS ]] && [[ ",${VLLM_PLUGINS}," != *",${PLUGIN_NAME},"* ]]; then
+		die "VLLM_PLUGINS='${VLLM_PLUGINS}' does not include ${PLUGIN_NAME}; add it or unset VLLM_PLUGINS"
+	fi
+}
+
+# arm_env ARM: set ARM_ENV to the environment that selects the arm.
+arm_env() {
+	check_arm "$1"
+	local switch=0
+	[[ "$1" == flydsl ]] && switch=1
+	ARM_ENV=(VLLM_ROCM_USE_AITER=1 "${FLYDSL_SWITCH}=${switch}")
+}
+
+# serve_argv: set SERVE_ARGV to the `vllm` arguments (identical for both arms).
+serve_argv() {
+	local extra=()
+	read -r -a extra <<<"$EXTRA_SERVE_ARGS"
+	SERVE_ARGV=(
+		serve "$MODEL"
+		--host "$HOST"
+		--port "$PORT"
+		--tensor-parallel-size "$TP"
+		--seed "$SEED"
+		--compilation-config "$COMPILATION_CONFIG"
+		"${extra[@]}"
+	)
+}
+
+# start_server ARM LOGFILE: start `vllm serve` for ARM in its own session, output to LOGFILE.
+start_server() {
+	local arm=$1 logfile=$2
+	arm_env "$arm"
+	serve_argv
+	mkdir -p "$(dirname "$logfile")"
+	log "starting the ${arm} server: ${ARM_ENV[*]} vllm ${SERVE_ARGV[*]}"
+	log "server log: ${logfile}"
+	# setsid: the server and all its workers share one process group, which stop_server ends.
+	setsid env "${ARM_ENV[@]}" vllm "${SERVE_ARGV[@]}" >"$logfile" 2>&1 </dev/null &
+	SERVER_PID=$!
+}
+
+# wait_for_health: poll /health until it answers 200, the server exits, or HEALTH_TIMEOUT passes.
+wait_for_health() {
+	local url="http://${HOST}:${PORT}/health"
+	local deadline=$((SECONDS + HEALTH_TIMEOUT))
+	log "waiting up to ${HEALTH_TIMEOUT}s for ${url}"
+	while ((SECONDS < deadline)); do
+		if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+			log "the server exited before it became healthy"
+			return 1
+		fi
+		if curl -fs -o /dev/null --max-time 5 "$url"; then
+			log "server is healthy"
+			return 0
+		fi
+		sleep "$HEALTH_POLL"
+	done
+	log "the server did not become healthy within ${HEALTH_TIMEOUT}s"
+	return 1
+}
+
+# stop_server: SIGTERM the server's process group, SIGKILL it after STOP_TIMEOUT seconds.
+stop_server() {
+	local pid=$SERVER_PID
+	[[ -n "$pid" ]] || return 0
+	SERVER_PID=""
+	if kill -0 -- "-$pid" 2>/dev/null; then
+		log "stopping the server (process group ${pid})"
+		kill -TERM -- "-$pid" 2>/dev/null || true
+		local deadline=$((SECONDS + STOP_TIMEOUT))
+		while kill -0 -- "-$pid" 2>/dev/null && ((SECONDS < deadline)); do
+			sleep 0.5
+		done
+		if kill -0 -- "-$pid" 2>/dev/null; then
+			log "still running after ${STOP_TIMEOUT}s; sending SIGKILL"
+			kill -KILL -- "-$pid" 2>/dev/null || true
+		fi
+	fi
+	wait "$pid" 2>/dev/null || true
+}
+
+# count_lines PATTERN FILE: how many lines of FILE contain PATTERN (fixed string).
+count_lines() {
+	grep -cF -- "$1" "$2" || true
+}
+
+# check_plugin_lines ARM LOGFILE MIN_ACTIVE: the plugin's per-process lines match the arm.
+# flydsl: at least MIN_ACTIVE processes (the TP workers) say ACTIVE and none disagreed.
+# stock: the plugin loaded (at least one line) and no process says ACTIVE.
+check_plugin_lines() {
+	local arm=$1 logfile=$2 min_active=$3
+	local active stock disagree
+	active=$(count_lines "$ACTIVE_LINE" "$logfile")
+	stock=$(count_lines "$STOCK_LINE" "$logfile")
+	disagree=$(count_lines "$DISAGREE_LINE" "$logfile")
+	log "plugin lines in ${logfile}: ${active} ACTIVE, ${stock} stock, ${disagree} DISAGREE"
+	grep -F -e "$ACTIVE_LINE" -e "$STOCK_LINE" -e "$DISAGREE_LINE" -- "$logfile" >&2 || true
+	if ((active + stock == 0)); then
+		log "no vllm-flydsl-indexer line: is the plugin pip-installed in this environment?"
+		return 1
+	fi
+	if [[ "$arm" == flydsl ]]; then
+		if ((active < min_active)); then
+			log "expected at least ${min_active} ACTIVE processes, found ${active}"
+			return 1
+		fi
+		if ((disagree > 0)); then
+			log "the verify canary failed in ${disagree} process(es); they run the stock path"
+			return 1
+		fi
+	elif ((active > 0)); then
+		log "the stock arm has ${active} ACTIVE process(es)"
+		return 1
+	fi
+	return 0
+}
+
+# report_stock_calls LOGFILE: list why eligible-looking calls kept the stock path (informational).
+report_stock_calls() {
+	local n
+	n=$(count_lines "$STOCK_CALL_LINE" "$1")
+	((n == 0)) && return 0
+	log "${n} distinct reason(s) for stock-path calls (e.g. a CUDA graph captured before FlyDSL compiled):"
+	grep -F -- "$STOCK_CALL_LINE" "$1" >&2 || true
+}
