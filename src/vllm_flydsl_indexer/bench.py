@@ -22,6 +22,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import os
 import statistics
 import sys
 import time
@@ -336,9 +337,14 @@ def run(args) -> tuple[list[ArmResult], dict]:
         "copy_bw_gbps": copy_bw,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join(sys.argv),
+        "command": "vllm-flydsl-indexer " + " ".join(_portable(a) for a in sys.argv[1:]),
     }
     return results, meta
+
+
+def _portable(arg: str) -> str:
+    """Output paths as their file names, so recorded results name no machine paths."""
+    return os.path.basename(arg) if os.sep in arg else arg
 
 
 def _speedups(rows: list[ArmResult]) -> None:
@@ -423,21 +429,20 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
         raise SystemExit("--plot needs matplotlib: pip install 'vllm-flydsl-indexer[plot]'") from e
     labels = sorted({Shape(**r.shape).label for r in results if r.speedup_vs_baseline})
     arms = sorted({r.arm for r in results if r.speedup_vs_baseline})
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(labels) * max(1, len(arms))), 4.5))
-    width = 0.8 / max(1, len(arms))
+    fig, ax = plt.subplots(figsize=(9, max(4.0, 0.12 * len(labels) * max(1, len(arms)) + 1.5)))
+    height = 0.8 / max(1, len(arms))
     for j, arm in enumerate(arms):
-        ys = []
+        xs = []
         for lab in labels:
             match = [r for r in results if r.arm == arm and Shape(**r.shape).label == lab]
-            ys.append(match[0].speedup_vs_baseline if match and match[0].speedup_vs_baseline else 0)
-        ax.bar([i + j * width for i in range(len(labels))], ys, width, label=arm)
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(
-        [i + 0.4 - width / 2 for i in range(len(labels))], labels, rotation=60, ha="right", fontsize=7
-    )
-    ax.set_ylabel("speedup (median) over baseline")
-    ax.set_title(f"decode logits A/B on {meta['device']} ({meta['arms']})", fontsize=9)
-    ax.legend(fontsize=7)
+            xs.append(match[0].speedup_vs_baseline if match and match[0].speedup_vs_baseline else 0)
+        ax.barh([i + j * height for i in range(len(labels))], xs, height, label=arm)
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_yticks([i + 0.4 - height / 2 for i in range(len(labels))], labels, fontsize=6)
+    ax.invert_yaxis()
+    ax.set_xlabel("speedup of the median time over the baseline (gluon, else reference)")
+    ax.set_title(f"decode logits A/B on {meta['device']}\n{meta['arms']}", fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

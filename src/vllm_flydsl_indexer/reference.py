@@ -271,9 +271,13 @@ def make_paged_problem(
     if num_blocks < needed or max_blocks < int(blocks_per_seq.max()):
         raise ValueError("pool_blocks or block_table_width too small for these lengths")
 
-    keys = torch.randn(needed, block_size, head_dim, generator=gen)
+    # Bulk random data is drawn on the target device (fast on a GPU), seeded from ``gen``.
+    bulk = gen
+    if device.type != "cpu":
+        bulk = torch.Generator(device).manual_seed(int(torch.randint(0, 2**62, (1,), generator=gen)))
+    keys = torch.randn(needed, block_size, head_dim, generator=bulk, device=device)
     # Vary magnitudes per token so scales differ.
-    keys = keys * torch.rand(needed, block_size, 1, generator=gen).mul(4).add(0.25)
+    keys = keys * torch.rand(needed, block_size, 1, generator=bulk, device=device).mul(4).add(0.25)
     k_fp8, scale = quantize_keys(keys)
     used = pack_blocks(k_fp8, scale, preshuffle=preshuffle)
     cache = torch.randint(
@@ -281,10 +285,11 @@ def make_paged_problem(
         256,
         (num_blocks, block_size, 1, head_dim + SCALE_BYTES),
         dtype=torch.uint8,
-        generator=gen,
+        generator=bulk,
+        device=device,
     )
     physical = torch.randperm(num_blocks, generator=gen)[:needed]
-    cache[physical] = used
+    cache[physical.to(device)] = used
 
     block_tables = torch.randint(0, num_blocks, (batch, max_blocks), dtype=torch.int32, generator=gen)
     cursor = 0
