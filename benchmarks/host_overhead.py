@@ -44,9 +44,8 @@ def main() -> int:
     args = parser.parse_args()
 
     setup_simulation()
-    import torch
-
     import aiter.ops.triton.pa_mqa_logits as gluon
+    import torch
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as target
     from vllm.v1.worker.workspace import init_workspace_manager
 
@@ -64,8 +63,9 @@ def main() -> int:
     assert installed is not None, "plugin did not activate under the simulation"
     installed.router.kernel = noop
 
-    p = make_paged_problem([4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64,
-                           preshuffle=True, spare_blocks=0)
+    p = make_paged_problem(
+        [4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64, preshuffle=True, spare_blocks=0
+    )
     call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
     arms = {"stock": installed.original, "patched": target.rocm_fp8_paged_mqa_logits}
     for fn in arms.values():  # warm caches (lru_cache, info_once)
@@ -85,18 +85,27 @@ def main() -> int:
     stock = statistics.median(per_call["stock"])
     patched = statistics.median(per_call["patched"])
     result = {
-        "cpu": _cpu_name(), "python": sys.version.split()[0], "torch": torch.__version__,
-        "next_n": args.next_n, "calls_per_round": args.calls, "rounds": args.rounds,
-        "stock_us": round(stock, 3), "patched_us": round(patched, 3),
-        "delta_us": round(patched - stock, 3), "ratio": round(patched / stock, 3),
+        "cpu": _cpu_name(),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "next_n": args.next_n,
+        "calls_per_round": args.calls,
+        "rounds": args.rounds,
+        "stock_us": round(stock, 3),
+        "patched_us": round(patched, 3),
+        "delta_us": round(patched - stock, 3),
+        "ratio": round(patched / stock, 3),
         "delta_per_step_61_layers_us": round((patched - stock) * LAYERS_DSV32, 1),
         "samples_us": {k: [round(v, 3) for v in vs] for k, vs in per_call.items()},
     }
-    print(f"host time per call (median of {args.rounds} interleaved rounds x {args.calls} calls, next_n={args.next_n})")
+    setup = f"{args.rounds} interleaved rounds x {args.calls} calls, next_n={args.next_n}"
+    print(f"host time per call (median of {setup})")
     print(f"  stock   {stock:8.2f} us")
     print(f"  patched {patched:8.2f} us")
-    print(f"  delta   {patched - stock:+8.2f} us  ratio {patched / stock:.3f}  "
-          f"({(patched - stock) * LAYERS_DSV32:+.1f} us per step at {LAYERS_DSV32} layers)")
+    print(
+        f"  delta   {patched - stock:+8.2f} us  ratio {patched / stock:.3f}  "
+        f"({(patched - stock) * LAYERS_DSV32:+.1f} us per step at {LAYERS_DSV32} layers)"
+    )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
     return 0

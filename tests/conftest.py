@@ -59,10 +59,14 @@ def target():
 
 
 @pytest.fixture
-def workspace():
+def workspace(monkeypatch):
+    """vLLM's real workspace manager on CPU."""
     import torch
     from vllm.v1.worker import workspace as ws
 
+    if not torch.accelerator.is_available():
+        # vLLM 0.32's resize path empties the accelerator cache, which a CPU-only torch refuses.
+        monkeypatch.setattr(torch.accelerator, "empty_cache", lambda: None)
     ws.reset_workspace_manager()
     ws.init_workspace_manager(torch.device("cpu"))
     yield ws

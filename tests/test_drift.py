@@ -1,0 +1,159 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Drift tests: the installed vLLM still looks the way the adapter assumes.
+
+They parse vLLM's source with ``ast`` (nothing is executed), so a new vLLM
+release that changes a call site, the stock Gluon call or the consumers of the
+logits fails here before it can make the plugin wrong.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vllm_flydsl_indexer.gates import TARGET_KEYWORD_ONLY, TARGET_NAME, TARGET_POSITIONAL
+
+TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
+
+
+def vllm_root() -> Path:
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin
+    return Path(spec.origin).parent
+
+
+def module_source(name: str) -> ast.Module:
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin
+    return ast.parse(Path(spec.origin).read_text())
+
+
+def call_sites() -> list[tuple[Path, ast.Call]]:
+    found = []
+    for path in vllm_root().rglob("*.py"):
+        text = path.read_text(errors="ignore")
+        if TARGET_NAME + "(" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.Call):
+                func = node.func
+                name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+                if name == TARGET_NAME:
+                    found.append((path, node))
+    return found
+
+
+def function(tree: ast.Module, name: str) -> ast.FunctionDef:
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def test_every_call_site_passes_the_arguments_the_adapter_expects():
+    sites = call_sites()
+    assert len(sites) >= 3, "expected the indexer, deepseek_v41 and glm5next call sites"
+    for path, call in sites:
+        where = f"{path.relative_to(vllm_root().parent)}:{call.lineno}"
+        assert not any(isinstance(a, ast.Starred) for a in call.args), where
+        assert all(k.arg is not None for k in call.keywords), f"{where}: **kwargs"
+        names = list(TARGET_POSITIONAL[: len(call.args)]) + [k.arg for k in call.keywords]
+        assert len(names) == len(set(names)), where
+        assert set(names) <= set(TARGET_POSITIONAL) | set(TARGET_KEYWORD_ONLY), f"{where}: {names}"
+        assert set(TARGET_POSITIONAL) <= set(names), f"{where}: missing {set(TARGET_POSITIONAL) - set(names)}"
+
+
+def test_module_level_bindings_are_the_ones_the_patch_covers():
+    """Module-level ``from ... import rocm_fp8_paged_mqa_logits`` must be patched in place."""
+    import importlib
+
+    from vllm_flydsl_indexer.patch import _bindings
+
+    module_level = []
+    for path in vllm_root().rglob("*.py"):
+        text = path.read_text(errors="ignore")
+        if TARGET_NAME not in text:
+            continue
+        for node in ast.parse(text).body:
+            if isinstance(node, ast.ImportFrom) and any(a.name == TARGET_NAME for a in node.names):
+                module_level.append(".".join(path.relative_to(vllm_root().parent).with_suffix("").parts))
+    assert module_level == ["vllm.models.deepseek_v41.amd.ops.sparse_indexer"] or set(module_level) == {
+        "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
+    }, module_level
+    target = importlib.import_module(TARGET_MODULE)
+    for name in module_level:
+        importlib.import_module(name)
+    bound = {m.__name__ for m in _bindings(vars(target)[TARGET_NAME])}
+    assert set(module_level) | {TARGET_MODULE} <= bound
+
+
+def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
+    fn = function(module_source(TARGET_MODULE), TARGET_NAME)
+    calls = [
+        n
+        for n in ast.walk(fn)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Name)
+        and n.func.id == "deepgemm_fp8_paged_mqa_logits"
+    ]
+    assert len(calls) == 1
+    (call,) = calls
+    assert [ast.unparse(a) for a in call.args] == [
+        "q_fp8",
+        "kv_cache_fp8",
+        "weights",
+        "out_logits",
+        "_per_sequence_context_lens(context_lens)",
+        "block_tables",
+        "max_model_len",
+    ]
+    kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
+    assert kw == {
+        "ChunkK": "256",
+        "Preshuffle": "block_size > 1",
+        "KVBlockSize": "block_size",
+        "WavePerEU": "2",
+    }
+    src = ast.unparse(fn)
+    assert (
+        "current_workspace_manager().get_simultaneous(((batch_size * next_n, max_model_len), torch.float32))"
+        in src
+    )
+    assert "_indexer_k_is_c4a_block_flat(compress_ratio)" in src
+    assert "rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()" in src
+    # No -inf fill or sanitize on the gfx9 Gluon branch: the plugin adds none either.
+    gluon_branch = src[src.index("deepgemm_fp8_paged_mqa_logits = ") : src.index("return out_logits")]
+    assert "fill_" not in gluon_branch and "nan_to_num" not in gluon_branch
+
+
+def test_decode_consumers_read_what_the_window_rule_assumes():
+    """Top-k reads ``seq_lens.reshape(-1)``; candidate selection repeats per-sequence bounds."""
+    src = ast.unparse(function(module_source(TARGET_MODULE), "rocm_aiter_sparse_attn_indexer"))
+    assert "rocm_aiter_ops.indexer_top_k_decode(logits, 1, decode_metadata.seq_lens.reshape(-1)" in src
+    assert "visible = decode_metadata.seq_lens.reshape(-1)" in src
+    assert "visible = visible.repeat_interleave(next_n)" in src
+    # Nothing touches the logits between the call and the consumers.
+    between = src[
+        src.index("logits = rocm_fp8_paged_mqa_logits(") : src.index("if candidate_blocks is not None")
+    ]
+    assert "fill_" not in between and "nan_to_num" not in between
+
+
+def test_native_mtp_bounds_are_one_apart():
+    """vLLM's bounds kernel writes ``max(seq_len - max_decode_len + j + 1, 0)``."""
+    text = (vllm_root() / "v1/attention/backends/mla/indexer.py").read_text()
+    assert "per_token_seq_len = tl.maximum(seq_len - max_decode_len + local_idx + 1, 0)" in text
+    assert "seq_lens //= self.compress_ratio" in text
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "_per_sequence_context_lens",
+        "paged_mqa_logits_module",
+        "_indexer_k_is_c4a_block_flat",
+        "current_workspace_manager",
+    ],
+)
+def test_helpers_the_hooks_use_exist(target, name):
+    assert callable(getattr(target, name))

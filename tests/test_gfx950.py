@@ -1,0 +1,117 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The real thing, on an MI355X: real vLLM, real aiter Gluon and FlyDSL kernels.
+
+Run there with ``pytest -m gfx950 -v``. Each test runs in a fresh interpreter
+without the test doubles on its path, so it sees the machine's real amdsmi,
+aiter and flydsl. Everywhere else these tests skip with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from vllm_flydsl_indexer import envs
+
+
+def _on_gfx950() -> bool:
+    if torch.version.hip is None or not torch.cuda.is_available():
+        return False
+    return "gfx950" in torch.cuda.get_device_properties(0).gcnArchName
+
+
+pytestmark = [
+    pytest.mark.gfx950,
+    pytest.mark.skipif(
+        not _on_gfx950(),
+        reason="needs an AMD gfx950 GPU (MI355X) with ROCm vLLM and an aiter with PR #4221's FlyDSL kernel",
+    ),
+]
+
+
+def real_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("AMDSMI_DOUBLE")}
+    env["VLLM_ROCM_USE_AITER"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], env: dict, timeout: int = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_doctor_strict_says_flydsl_is_active():
+    proc = run(
+        [sys.executable, "-m", "vllm_flydsl_indexer", "doctor", "--strict"], real_env(**{envs.SWITCH: "1"})
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "arm:      FlyDSL" in proc.stdout
+
+
+def test_check_real_kernels_agree():
+    proc = run([sys.executable, "-m", "vllm_flydsl_indexer", "check", "--device", "cuda"], real_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert "real kernels: aiter Gluon vs aiter FlyDSL" in proc.stdout
+    assert "8 passed, 0 failed" in proc.stdout
+
+
+END_TO_END = r"""
+import torch
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+import vllm.v1.attention.ops.rocm_aiter_mla_sparse as t
+from vllm.v1.worker.workspace import init_workspace_manager, current_workspace_manager
+from vllm_flydsl_indexer import patch
+from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.reference import make_paged_problem
+
+installed = patch.installed()
+assert installed is not None, "plugin not active"
+init_workspace_manager(torch.device("cuda"))
+for heads in (64, 32):
+    for next_n in (1, 2):
+        p = make_paged_problem(
+            torch.randint(next_n, 8193, (16,)).tolist(), next_n=next_n, heads=heads, head_dim=128,
+            block_size=64, preshuffle=True, max_model_len=8192,
+            generator=torch.Generator().manual_seed(heads + next_n),
+            device="cuda",
+        )
+        args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+        rows = p.batch * p.next_n
+        def run(fn):
+            (buf,) = current_workspace_manager().get_simultaneous(((rows, p.max_model_len), torch.float32))
+            buf.fill_(float("nan"))
+            return fn(*args).clone()
+        taken = installed.router.calls_taken
+        stock = run(installed.original)
+        fly = run(t.rocm_fp8_paged_mqa_logits)
+        assert installed.router.calls_taken == taken + 1
+        res = compare_in_windows(stock, fly, read_window_ends(p.context_lens, rows, p.next_n))
+        assert res.ok(1e-3), res.describe()
+        # Graph capture of the patched call replays to the eager result.
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = t.rocm_fp8_paged_mqa_logits(*args)
+        g.replay()
+        torch.cuda.synchronize()
+        assert compare_in_windows(fly, out, read_window_ends(p.context_lens, rows, p.next_n)).ok(0)
+print("END_TO_END_OK")
+"""
+
+
+def test_real_vllm_patched_call_agrees_and_captures():
+    proc = run([sys.executable, "-c", END_TO_END], real_env(**{envs.SWITCH: "1"}))
+    assert proc.returncode == 0 and "END_TO_END_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def test_verify_on_enable_canary_passes_on_real_kernels():
+    code = END_TO_END.replace(
+        'print("END_TO_END_OK")', 'assert installed.router.disabled_reason is None\nprint("END_TO_END_OK")'
+    )
+    proc = run([sys.executable, "-c", code], real_env(**{envs.SWITCH: "1", envs.VERIFY: "1"}))
+    assert proc.returncode == 0 and "END_TO_END_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    assert "DISAGREE" not in proc.stdout + proc.stderr
