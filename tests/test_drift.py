@@ -9,6 +9,7 @@ logits fails here before it can make the plugin wrong.
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 from pathlib import Path
 
@@ -52,7 +53,8 @@ def function(tree: ast.Module, name: str) -> ast.FunctionDef:
 
 def test_every_call_site_passes_the_arguments_the_adapter_expects():
     sites = call_sites()
-    assert len(sites) >= 3, "expected the indexer, deepseek_v41 and glm5next call sites"
+    # 0.32.0: the indexer and glm5next; 0.33.0 adds deepseek_v41.
+    assert len(sites) >= 2, "expected at least the indexer and glm5next call sites"
     for path, call in sites:
         where = f"{path.relative_to(vllm_root().parent)}:{call.lineno}"
         assert not any(isinstance(a, ast.Starred) for a in call.args), where
@@ -77,9 +79,12 @@ def test_module_level_bindings_are_the_ones_the_patch_covers():
         for node in ast.parse(text).body:
             if isinstance(node, ast.ImportFrom) and any(a.name == TARGET_NAME for a in node.names):
                 module_level.append(".".join(path.relative_to(vllm_root().parent).with_suffix("").parts))
-    assert module_level == ["vllm.models.deepseek_v41.amd.ops.sparse_indexer"] or set(module_level) == {
-        "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
-    }, module_level
+    # Known: 0.33.0's deepseek_v41 binds the name at import (0.32.0 has no such module);
+    # glm5next imports it at call time. A new binding must be reviewed, then added here.
+    known = {"vllm.models.deepseek_v41.amd.ops.sparse_indexer"}
+    assert set(module_level) <= known, f"new module-level binding(s): {set(module_level) - known}"
+    if importlib.metadata.version("vllm").startswith("0.33."):
+        assert set(module_level) == known
     target = importlib.import_module(TARGET_MODULE)
     for name in module_level:
         importlib.import_module(name)
