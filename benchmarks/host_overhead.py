@@ -41,7 +41,15 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--next-n", type=int, default=2)
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="no vLLM: time vLLM 0.33.0's Gluon branch as mirrored in arms.stock_call against the router, "
+        "on the GPU if one is present (this includes the per-call capture check there)",
+    )
     args = parser.parse_args()
+    if args.standalone:
+        return standalone(args)
 
     setup_simulation()
     import aiter.ops.triton.pa_mqa_logits as gluon
@@ -73,13 +81,7 @@ def main() -> int:
             fn(*call_args)
     taken_before = installed.router.calls_taken
 
-    per_call: dict[str, list[float]] = {name: [] for name in arms}
-    for _ in range(args.rounds):
-        for name, fn in arms.items():
-            t0 = time.perf_counter()
-            for _ in range(args.calls):
-                fn(*call_args)
-            per_call[name].append((time.perf_counter() - t0) / args.calls * 1e6)
+    per_call = interleaved(arms, call_args, args.calls, args.rounds)
     assert installed.router.calls_taken - taken_before == args.rounds * args.calls, "patched arm delegated"
 
     stock = statistics.median(per_call["stock"])
@@ -108,6 +110,73 @@ def main() -> int:
     )
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def interleaved(arms: dict, call_args: tuple, calls: int, rounds: int) -> dict[str, list[float]]:
+    per_call: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn(*call_args)
+            per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return per_call
+
+
+def standalone(args) -> int:
+    import torch
+
+    from vllm_flydsl_indexer.arms import Arms, Workspace, patched_call, stock_call
+    from vllm_flydsl_indexer.reference import make_paged_problem
+
+    def noop(*a, **k):
+        return None
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    p = make_paged_problem(
+        [4096] * 4,
+        next_n=args.next_n,
+        heads=64,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        spare_blocks=0,
+        device=device,
+    )
+    ws = Workspace(p.batch * p.next_n, p.max_model_len, device)
+    router = patched_call(Arms(False, "no-op kernels", "", noop, noop), ws)
+    arms = {"stock": stock_call(noop, ws), "patched": router}
+    call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    for fn in arms.values():
+        for _ in range(100):
+            fn(*call_args)
+    per_call = interleaved(arms, call_args, args.calls, args.rounds)
+    assert router.calls_delegated == 0
+    stock, patched = statistics.median(per_call["stock"]), statistics.median(per_call["patched"])
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(
+        f"standalone host time per call on {where} tensors, CPU {_cpu_name()}, cuda initialised: "
+        f"{torch.cuda.is_initialized()}"
+    )
+    print(f"  stock (mirrored) {stock:8.2f} us\n  patched          {patched:8.2f} us")
+    print(f"  delta {patched - stock:+.2f} us  ratio {patched / stock:.3f}")
+    if args.json_path:
+        Path(args.json_path).write_text(
+            json.dumps(
+                {
+                    "mode": "standalone",
+                    "device": where,
+                    "cpu": _cpu_name(),
+                    "stock_us": stock,
+                    "patched_us": patched,
+                    "delta_us": patched - stock,
+                    "ratio": patched / stock,
+                    "samples_us": per_call,
+                },
+                indent=1,
+            )
+        )
     return 0
 
 

@@ -66,7 +66,6 @@ PRESHUFFLE_ALIGN = 16
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
-_UNKNOWN = object()
 
 # (heads, head_dim, KVBlockSize): FlyDSL's JIT cache key for the adapter's
 # calls (ChunkK and variant stay at FlyDSL's defaults; Preshuffle = KVB > 1).
@@ -243,13 +242,14 @@ class FlyDSLRouter:
         self.calls_taken = 0
         self.calls_delegated = 0
 
-    def _ineligibility(
+    def _verdict(
         self, q_fp8, kv_cache, weights, context_lens, block_tables, compress_ratio
-    ) -> str | None:
-        """:func:`ineligibility`, memoised on everything it reads but contiguity.
+    ) -> str | KernelConfig:
+        """The reason to stay stock, or the kernel configuration to run.
 
-        Shapes, dtypes, the ratio and the DCP size fully decide the verdict for
-        a contiguous cache; contiguity is checked live. The memo is bounded.
+        :func:`ineligibility`, memoised on everything it reads but contiguity:
+        shapes, dtypes, the ratio and the DCP size fully decide the verdict for a
+        contiguous cache, and contiguity is checked live. The memo is bounded.
         """
         if not kv_cache.is_contiguous():
             return "kv_cache is not contiguous (FlyDSL would copy it every call)"
@@ -267,9 +267,9 @@ class FlyDSLRouter:
             compress_ratio,
             self.hooks.dcp_world_size(),
         )
-        verdict = self._verdicts.get(key, _UNKNOWN)
-        if verdict is _UNKNOWN:
-            verdict = ineligibility(
+        verdict = self._verdicts.get(key)
+        if verdict is None:
+            reason = ineligibility(
                 q_fp8,
                 kv_cache,
                 weights,
@@ -278,6 +278,7 @@ class FlyDSLRouter:
                 compress_ratio=compress_ratio,
                 dcp_world_size=key[-1],
             )
+            verdict = reason if reason is not None else (q_fp8.shape[2], q_fp8.shape[3], kv_cache.shape[1])
             if len(self._verdicts) < MAX_MEMOISED_VERDICTS:
                 self._verdicts[key] = verdict
         return verdict
@@ -299,37 +300,44 @@ class FlyDSLRouter:
         *,
         compress_ratio: int = 1,
     ) -> torch.Tensor:
-        args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len)
-        if self.disabled_reason is not None:
-            return self._delegate(self.disabled_reason, args, compress_ratio)
-        block_size = kv_cache_fp8.shape[1]
-        if not self.hooks.stock_uses_gluon(compress_ratio, block_size):
-            return self._delegate(
+        reason: str | None = self.disabled_reason
+        if reason is None and not self.hooks.stock_uses_gluon(compress_ratio, kv_cache_fp8.shape[1]):
+            reason = (
                 "stock does not use aiter's Gluon kernel here "
-                f"(compress_ratio={compress_ratio}, block_size={block_size})",
-                args,
-                compress_ratio,
+                f"(compress_ratio={compress_ratio}, block_size={kv_cache_fp8.shape[1]})"
             )
-        reason = self._ineligibility(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, compress_ratio)
+        if reason is None:
+            verdict = self._verdict(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, compress_ratio)
+            if isinstance(verdict, str):
+                reason = verdict
+            elif verdict not in self.compiled or self.verifier is not None:
+                # Rare paths: the first call of a configuration, or the canary.
+                capturing = self.is_capturing()
+                if capturing and verdict not in self.compiled:
+                    # FlyDSL JIT-compiles a configuration on its first call; that
+                    # must not happen inside graph capture: this graph keeps stock.
+                    heads, head_dim, block_size = verdict
+                    reason = (
+                        f"FlyDSL not yet compiled for heads={heads} head_dim={head_dim} "
+                        f"KVBlockSize={block_size} and the stream is capturing; run one eager "
+                        "decode step first (e.g. compilation_config.cudagraph_num_of_warmups=1)"
+                    )
+                elif self.verifier is not None and not capturing:
+                    args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata)
+                    return self._verified_call((*args, max_model_len), compress_ratio, verdict)
         if reason is not None:
+            args = (
+                q_fp8,
+                kv_cache_fp8,
+                weights,
+                context_lens,
+                block_tables,
+                schedule_metadata,
+                max_model_len,
+            )
             return self._delegate(reason, args, compress_ratio)
 
-        batch, next_n, heads, head_dim = q_fp8.shape
-        config = (heads, head_dim, block_size)
-        capturing = self.is_capturing()
-        if capturing and config not in self.compiled:
-            # FlyDSL JIT-compiles a configuration on its first call; that must
-            # not happen inside graph capture. This graph keeps the stock path.
-            return self._delegate(
-                f"FlyDSL not yet compiled for heads={heads} head_dim={head_dim} "
-                f"KVBlockSize={block_size} and the stream is capturing; run one eager "
-                "decode step first (e.g. compilation_config.cudagraph_num_of_warmups=1)",
-                args,
-                compress_ratio,
-            )
-        if self.verifier is not None and not capturing:
-            return self._verified_call(args, compress_ratio, config)
-        out = self.hooks.output_buffer(batch * next_n, max_model_len)
+        out = self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
         run_flydsl(
             self.kernel,
             q_fp8,
@@ -340,8 +348,8 @@ class FlyDSLRouter:
             block_tables,
             max_model_len,
         )
-        if not capturing:
-            self.compiled.add(config)
+        if verdict not in self.compiled and not self.is_capturing():
+            self.compiled.add(verdict)
         self.calls_taken += 1
         return out
 
