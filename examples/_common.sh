@@ -177,3 +177,21 @@ report_stock_calls() {
 	log "${n} distinct reason(s) for stock-path calls (e.g. a CUDA graph captured before FlyDSL compiled):"
 	grep -F -- "$STOCK_CALL_LINE" "$1" >&2 || true
 }
+
+# print_usage SCRIPT: print SCRIPT's header comment (line 2 up to `set -euo`).
+print_usage() {
+	sed -n '2,/^set -euo/p' "$1" | sed '$d; s/^# \{0,1\}//'
+}
+
+# stop_server_on_exit: stop the server however the script ends, keeping its exit code.
+_stop_server_and_exit() {
+	local rc=$?
+	stop_server
+	exit "$rc"
+}
+
+stop_server_on_exit() {
+	trap _stop_server_and_exit EXIT
+	trap 'exit 130' INT
+	trap 'exit 143' TERM
+}

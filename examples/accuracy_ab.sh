@@ -35,7 +35,7 @@ source "$HERE/_common.sh"
 : "${OUT_DIR:=flydsl-accuracy-$(date +%Y%m%d-%H%M%S)}"
 
 if (($# > 0)); then
-	sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+	print_usage "${BASH_SOURCE[0]}"
 	[[ "$1" == -h || "$1" == --help ]] && exit 0
 	exit 2
 fi
@@ -45,14 +45,7 @@ read -r -a tasks <<<"$TASKS"
 for arm in "${arms[@]}"; do check_arm "$arm"; done
 check_vllm_plugins
 
-cleanup() {
-	local rc=$?
-	stop_server
-	exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+stop_server_on_exit
 
 # lm_eval_argv ARM TASK: set LM_EVAL_ARGV from lm_eval_args.py (identical for both arms
 # except the output path).

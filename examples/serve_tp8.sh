@@ -38,7 +38,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/_common.sh"
 
 usage() {
-	sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'
+	print_usage "${BASH_SOURCE[0]}"
 }
 
 ARM="${ARM:-flydsl}"
@@ -76,14 +76,7 @@ if [[ "$ARM" == flydsl ]]; then
 		die "the FlyDSL arm would not be active here (see the doctor report above)"
 fi
 
-cleanup() {
-	local rc=$?
-	stop_server
-	exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
+stop_server_on_exit
 
 start_server "$ARM" "$LOG_FILE"
 wait_for_health || die "no healthy server; see ${LOG_FILE}"
