@@ -11,7 +11,7 @@ import math
 import torch
 
 import aiter
-from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference
+from vllm_flydsl_indexer.reference import flydsl_contract_reference
 
 BROKEN = False
 
@@ -66,7 +66,7 @@ def flydsl_fp8_paged_mqa_logits(
             },
         )
     )
-    fp8_paged_mqa_logits_reference(
+    flydsl_contract_reference(
         q_fp8,
         kv_cache,
         weights,
@@ -74,8 +74,8 @@ def flydsl_fp8_paged_mqa_logits(
         lens,
         kv_indices,
         max_model_len,
-        preshuffle=Preshuffle,
-        contract="flydsl",
+        Preshuffle=Preshuffle,
+        KVBlockSize=KVBlockSize,
     )
     if BROKEN:
         out_logits.mul_(1.0 + 1e-1 * math.pi)

@@ -2,7 +2,7 @@
 """Gluon-contract double of aiter's ``deepgemm_fp8_paged_mqa_logits``."""
 
 import aiter
-from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference
+from vllm_flydsl_indexer.reference import gluon_contract_reference
 
 
 def deepgemm_fp8_paged_mqa_logits(
@@ -22,7 +22,7 @@ def deepgemm_fp8_paged_mqa_logits(
 ):
     assert kv_cache.shape[1] == KVBlockSize
     aiter.CALLS.append(("gluon", {"Preshuffle": Preshuffle, "KVBlockSize": KVBlockSize}))
-    fp8_paged_mqa_logits_reference(
+    return gluon_contract_reference(
         q_fp8,
         kv_cache,
         weights,
@@ -30,7 +30,6 @@ def deepgemm_fp8_paged_mqa_logits(
         context_lens,
         kv_indices,
         max_model_len,
-        preshuffle=Preshuffle,
-        contract="gluon",
+        Preshuffle=Preshuffle,
+        KVBlockSize=KVBlockSize,
     )
-    return out_logits
