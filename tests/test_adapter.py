@@ -242,7 +242,7 @@ class _CapturingFlag:
         return self.value
 
 
-def test_no_first_time_compile_inside_capture():
+def test_no_first_time_compile_inside_capture(plugin_log):
     p = base_problem()
     original = Recorder()
     capturing = _CapturingFlag()
@@ -262,6 +262,12 @@ def test_no_first_time_compile_inside_capture():
     capturing.value = True
     router(*as_args(p), compress_ratio=1)  # now captured with FlyDSL
     assert len(compiled_during_capture) == 1 and len(original.calls) == 1
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert (
+        len(warnings) == 1
+        and "FlyDSL not yet compiled for heads=64 head_dim=128 KVBlockSize=64" in warnings[0]
+    )
+    assert "cudagraph_num_of_warmups=1" in warnings[0]
 
 
 def test_memoised_verdict_still_checks_contiguity_live():

@@ -283,9 +283,11 @@ class FlyDSLRouter:
                 self._verdicts[key] = verdict
         return verdict
 
-    def _delegate(self, reason: str, args: tuple, compress_ratio: int) -> torch.Tensor:
+    def _delegate(
+        self, reason: str, args: tuple, compress_ratio: int, level: int = logging.INFO
+    ) -> torch.Tensor:
         self.calls_delegated += 1
-        log_once(self.logger, logging.INFO, "vllm-flydsl-indexer: stock path for this call: %s", reason)
+        log_once(self.logger, level, "vllm-flydsl-indexer: stock path for this call: %s", reason)
         return self.original(*args, compress_ratio=compress_ratio)
 
     def __call__(
@@ -301,6 +303,7 @@ class FlyDSLRouter:
         compress_ratio: int = 1,
     ) -> torch.Tensor:
         reason: str | None = self.disabled_reason
+        level = logging.INFO
         if reason is None and not self.hooks.stock_uses_gluon(compress_ratio, kv_cache_fp8.shape[1]):
             reason = (
                 "stock does not use aiter's Gluon kernel here "
@@ -322,6 +325,7 @@ class FlyDSLRouter:
                         f"KVBlockSize={block_size} and the stream is capturing; run one eager "
                         "decode step first (e.g. compilation_config.cudagraph_num_of_warmups=1)"
                     )
+                    level = logging.WARNING  # the user asked for FlyDSL and this graph will not have it
                 elif self.verifier is not None and not capturing:
                     args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata)
                     return self._verified_call((*args, max_model_len), compress_ratio, verdict)
@@ -335,7 +339,7 @@ class FlyDSLRouter:
                 schedule_metadata,
                 max_model_len,
             )
-            return self._delegate(reason, args, compress_ratio)
+            return self._delegate(reason, args, compress_ratio, level)
 
         out = self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
         run_flydsl(
