@@ -36,11 +36,6 @@ SHUFFLE_TILE = 16
 SCALE_BYTES = 4
 
 
-def index_dim_for(head_dim: int) -> int:
-    """Bytes per token in vLLM's indexer cache: fp8 K, then one fp32 scale."""
-    return head_dim + SCALE_BYTES
-
-
 def shuffled_offsets(block_size: int, head_dim: int, device=None) -> torch.Tensor:
     """Byte offset, inside one block, of (token t, dim d) in the 16x16 layout.
 
