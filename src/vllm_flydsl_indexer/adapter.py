@@ -341,30 +341,16 @@ class FlyDSLRouter:
             )
             return self._delegate(reason, args, compress_ratio, level)
 
-        out = self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
-        run_flydsl(
-            self.kernel,
-            q_fp8,
-            kv_cache_fp8,
-            weights,
-            out,
-            self.hooks.per_sequence_lens(context_lens),
-            block_tables,
-            max_model_len,
-        )
+        out = self._launch(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len)
         if verdict not in self.compiled and not self.is_capturing():
             self.compiled.add(verdict)
         self.calls_taken += 1
         return out
 
-    def _verified_call(self, args: tuple, compress_ratio: int, config: KernelConfig) -> torch.Tensor:
-        """The canary: run both arms once on live inputs, keep FlyDSL only if they agree."""
-        q_fp8, kv_cache, weights, context_lens, block_tables, _, max_model_len = args
-        batch, next_n = q_fp8.shape[:2]
-        verifier, self.verifier = self.verifier, None
-        stock = self.original(*args, compress_ratio=compress_ratio).clone()
-        out = self.hooks.output_buffer(batch * next_n, max_model_len)
-        run_flydsl(
+    def _launch(self, q_fp8, kv_cache, weights, context_lens, block_tables, max_model_len) -> torch.Tensor:
+        """FlyDSL into the logits buffer obtained exactly as stock obtains it."""
+        out = self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
+        return run_flydsl(
             self.kernel,
             q_fp8,
             kv_cache,
@@ -374,8 +360,15 @@ class FlyDSLRouter:
             block_tables,
             max_model_len,
         )
+
+    def _verified_call(self, args: tuple, compress_ratio: int, config: KernelConfig) -> torch.Tensor:
+        """The canary: run both arms once on live inputs, keep FlyDSL only if they agree."""
+        q_fp8, kv_cache, weights, context_lens, block_tables, _, max_model_len = args
+        verifier, self.verifier = self.verifier, None
+        stock = self.original(*args, compress_ratio=compress_ratio).clone()
+        out = self._launch(q_fp8, kv_cache, weights, context_lens, block_tables, max_model_len)
         self.compiled.add(config)
-        problem = verifier(stock, out, context_lens, next_n)
+        problem = verifier(stock, out, context_lens, q_fp8.shape[1])
         if problem is not None:
             self.disabled_reason = f"verify-on-enable canary failed earlier ({problem})"
             self.logger.error(
