@@ -16,6 +16,7 @@ DeepSeek-V3.2), so the per-call difference times 61 is the per-step cost.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -59,6 +60,7 @@ def main() -> int:
 
     import vllm_flydsl_indexer
     from vllm_flydsl_indexer import patch
+    from vllm_flydsl_indexer.callers import call_site_in
     from vllm_flydsl_indexer.reference import make_paged_problem
 
     def noop(*a, **k):
@@ -69,13 +71,19 @@ def main() -> int:
     vllm_flydsl_indexer.register()
     installed = patch.installed()
     assert installed is not None, "plugin did not activate under the simulation"
-    installed.router.kernel = noop
+    installed.router.variant = dataclasses.replace(installed.router.variant, fn=noop)
 
     p = make_paged_problem(
         [4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64, preshuffle=True, spare_blocks=0
     )
     call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
-    arms = {"stock": installed.original, "patched": target.rocm_fp8_paged_mqa_logits}
+    # Both arms are called from code living in the defining module, as its indexer calls them,
+    # so the patched arm pays the wrapper's caller lookup and the caller rule exactly as in serving.
+    site = call_site_in(target)
+    arms = {
+        "stock": lambda *a: site(installed.original, a, {}),
+        "patched": lambda *a: site(target.rocm_fp8_paged_mqa_logits, a, {}),
+    }
     for fn in arms.values():  # warm caches (lru_cache, info_once)
         for _ in range(100):
             fn(*call_args)
@@ -127,7 +135,7 @@ def interleaved(arms: dict, call_args: tuple, calls: int, rounds: int) -> dict[s
 def standalone(args) -> int:
     import torch
 
-    from vllm_flydsl_indexer.arms import Arms, Workspace, patched_call, stock_call
+    from vllm_flydsl_indexer.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
     from vllm_flydsl_indexer.reference import make_paged_problem
 
     def noop(*a, **k):
@@ -146,7 +154,7 @@ def standalone(args) -> int:
     )
     ws = Workspace(p.batch * p.next_n, p.max_model_len, device)
     router = patched_call(Arms(False, "no-op kernels", "", noop, noop), ws)
-    arms = {"stock": stock_call(noop, ws), "patched": router}
+    arms = {"stock": stock_call(noop, ws), "patched": from_defining_module(router)}
     call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
     for fn in arms.values():
         for _ in range(100):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 
 import pytest
@@ -10,6 +12,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
+from vllm_flydsl_indexer.callers import DEFINING_MODULE
+from vllm_flydsl_indexer.kernels import identify
 from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
@@ -28,9 +32,22 @@ class Recorder:
 
 
 def flydsl_double():
-    import aiter.ops.flydsl as fly
+    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
 
-    return fly.flydsl_fp8_paged_mqa_logits
+    return general.flydsl_fp8_paged_mqa_logits
+
+
+def general_variant(fn=None):
+    """The general (PR #4221) variant, identified from its double; ``fn`` replaces the launch target."""
+    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
+
+    variant = identify(general.flydsl_fp8_paged_mqa_logits, general)
+    assert variant.name == "general", variant
+    return variant if fn is None else dataclasses.replace(variant, fn=fn)
+
+
+def router_for(original, fn=None, hooks_=None, **kw):
+    return FlyDSLRouter(original, general_variant(fn), hooks_ or hooks(), LOGGER, **kw)
 
 
 def hooks(buffer=None, dcp=1, gluon=True):
@@ -68,7 +85,7 @@ def _violations():
     p = base_problem()
     q, kv, w, ctx, bt = p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables
     p16 = base_problem(heads=32, head_dim=64, block_size=16)
-    wide = torch.zeros(kv.shape[0], 64, 1, 2 * 132, dtype=torch.uint8)
+    wide = torch.randint(0, 256, (kv.shape[0], 64, 1, 2 * 132), dtype=torch.uint8)
     return {
         "q bf16": as_args(p, q_fp8=q.to(torch.bfloat16)),
         "q e4m3fnuz": as_args(p, q_fp8=q.float().to(torch.float8_e4m3fnuz)),
@@ -113,8 +130,8 @@ def test_contract_violations_go_to_stock_unchanged(name):
         kernel_calls.append(1)
         return flydsl_double()(*a, **k)
 
-    router = FlyDSLRouter(original, kernel, hooks(), LOGGER)
-    out = router(*args, compress_ratio=1)
+    router = router_for(original, kernel)
+    out = router.call_from(DEFINING_MODULE, *args, compress_ratio=1)
     assert out is original.marker
     assert kernel_calls == []
     ((called_args, called_kwargs),) = original.calls
@@ -126,8 +143,8 @@ def test_contract_violations_go_to_stock_unchanged(name):
 def test_valid_call_is_taken_and_matches_the_flydsl_contract():
     p = base_problem()
     original = Recorder()
-    router = FlyDSLRouter(original, flydsl_double(), hooks(), LOGGER)
-    out = router(*as_args(p), compress_ratio=1)
+    router = router_for(original)
+    out = router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1)
     assert original.calls == [] and router.calls_taken == 1
     expected = torch.full_like(out, float("nan"))
     fp8_paged_mqa_logits_reference(
@@ -148,8 +165,8 @@ def test_valid_call_is_taken_and_matches_the_flydsl_contract():
 def test_window_and_route_rules(dcp, ratio, gluon):
     p = base_problem()
     original = Recorder()
-    router = FlyDSLRouter(original, flydsl_double(), hooks(dcp=dcp, gluon=gluon), LOGGER)
-    assert router(*as_args(p), compress_ratio=ratio) is original.marker
+    router = router_for(original, hooks_=hooks(dcp=dcp, gluon=gluon))
+    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=ratio) is original.marker
 
 
 def test_next_n_1_is_taken_under_dcp_and_compression():
@@ -165,8 +182,8 @@ def test_next_n_1_is_taken_under_dcp_and_compression():
         generator=torch.Generator().manual_seed(9),
     )
     original = Recorder()
-    router = FlyDSLRouter(original, flydsl_double(), hooks(dcp=4), LOGGER)
-    router(*as_args(p), compress_ratio=2)
+    router = router_for(original, hooks_=hooks(dcp=4))
+    router(*as_args(p), compress_ratio=2)  # an unknown caller: next_n == 1 is always safe
     assert original.calls == [] and router.calls_taken == 1
 
 
@@ -212,9 +229,9 @@ def test_hot_path_audit_no_sync_no_logits_pass_no_allocation(next_n, per_row):
         finally:
             audit.paused = False
 
-    router = FlyDSLRouter(Recorder(), kernel, hooks(buffer=workspace), LOGGER)
+    router = router_for(Recorder(), kernel, hooks(buffer=workspace))
     with audit:
-        out = router(*as_args(p), compress_ratio=1)
+        out = router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1)
     assert out is workspace and seen_by_kernel["out"] is workspace
     assert seen_by_kernel["kw"] == {"Preshuffle": True, "KVBlockSize": 64}
     names = [name for name, _ in audit.ops]
@@ -253,35 +270,39 @@ def test_no_first_time_compile_inside_capture(plugin_log):
             compiled_during_capture.append(k)
         return flydsl_double()(*a, **k)
 
-    router = FlyDSLRouter(original, kernel, hooks(), LOGGER, is_capturing=capturing)
+    router = router_for(original, kernel, is_capturing=capturing)
+    call = functools.partial(router.call_from, DEFINING_MODULE)
     capturing.value = True
-    assert router(*as_args(p), compress_ratio=1) is original.marker  # not compiled yet: stock
+    assert call(*as_args(p), compress_ratio=1) is original.marker  # not compiled yet: stock
     assert compiled_during_capture == []
     capturing.value = False
-    router(*as_args(p), compress_ratio=1)  # eager call compiles
+    call(*as_args(p), compress_ratio=1)  # eager call compiles
     capturing.value = True
-    router(*as_args(p), compress_ratio=1)  # now captured with FlyDSL
+    call(*as_args(p), compress_ratio=1)  # now captured with FlyDSL
     assert len(compiled_during_capture) == 1 and len(original.calls) == 1
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
     assert (
         len(warnings) == 1
-        and "FlyDSL not yet compiled for heads=64 head_dim=128 KVBlockSize=64" in warnings[0]
+        and "FlyDSL not yet compiled for heads=64 head_dim=128 KVBlockSize=64 next_n=2" in warnings[0]
     )
-    assert "cudagraph_num_of_warmups=1" in warnings[0]
+    # It says what happened and that it is unexpected; it recommends no option that changes nothing.
+    assert "this graph keeps the stock path" in warnings[0] and "unexpected" in warnings[0]
+    assert "cudagraph_num_of_warmups" not in warnings[0]
 
 
 def test_memoised_verdict_still_checks_contiguity_live():
     p = base_problem()
     original = Recorder()
-    router = FlyDSLRouter(original, flydsl_double(), hooks(), LOGGER)
-    router(*as_args(p), compress_ratio=1)
+    router = router_for(original)
+    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call(*as_args(p), compress_ratio=1)
     assert router.calls_taken == 1
     # Same shape and dtype, but a strided view: must not reuse the earlier verdict.
-    wide = torch.zeros(p.kv_cache.shape[0], 64, 1, 2 * 132, dtype=torch.uint8)
+    wide = torch.randint(0, 256, (p.kv_cache.shape[0], 64, 1, 2 * 132), dtype=torch.uint8)
     strided = wide[..., :132]
     assert strided.shape == p.kv_cache.shape and not strided.is_contiguous()
-    assert router(*as_args(p, kv_cache_fp8=strided), compress_ratio=1) is original.marker
+    assert call(*as_args(p, kv_cache_fp8=strided), compress_ratio=1) is original.marker
     # And a different DCP size is a different verdict for next_n > 1.
     router.hooks = hooks(dcp=2)
-    assert router(*as_args(p), compress_ratio=1) is original.marker
+    assert call(*as_args(p), compress_ratio=1) is original.marker
     assert router.calls_taken == 1 and len(original.calls) == 2

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, Workspace, patched_call, stock_call
+from vllm_flydsl_indexer.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
 from vllm_flydsl_indexer.reference import (
     flydsl_contract_reference,
     fp8_paged_mqa_logits_reference,
@@ -58,10 +58,29 @@ def args_of(p):
     return [p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables]
 
 
+class Routed:
+    """The router as the defining module's indexer calls it (next_n > 1 may be taken)."""
+
+    def __init__(self, router):
+        self.router = router
+        self.call = from_defining_module(router)
+
+    def __call__(self, *args):
+        return self.call(*args)
+
+    @property
+    def calls_taken(self):
+        return self.router.calls_taken
+
+    @property
+    def calls_delegated(self):
+        return self.router.calls_delegated
+
+
 def router_and_workspace(next_n: int = 2, kernel=flydsl_contract_reference):
     ws = Workspace(B * next_n, MML, torch.device("cuda"))
     arms = Arms(False, "reference contracts", "", gluon_contract_reference, kernel)
-    return patched_call(arms, ws), ws
+    return Routed(patched_call(arms, ws)), ws
 
 
 def expected(p):
@@ -139,7 +158,7 @@ def test_adapter_launches_nothing_stock_does_not(next_n):
     p = problem(7, next_n)
     ws = Workspace(B * next_n, MML, torch.device("cuda"))
     arms = Arms(False, "reference contracts", "", gluon_contract_reference, flydsl_contract_reference)
-    router = patched_call(arms, ws)
+    router = Routed(patched_call(arms, ws))
     stock = stock_call(gluon_contract_reference, ws)
     call_args = (*args_of(p), None, MML)
     lens = p.context_lens[:, -1].contiguous() if next_n > 1 else p.context_lens

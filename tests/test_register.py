@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from vllm_flydsl_indexer import envs, gates, kernel_lookup, patch
+from vllm_flydsl_indexer import envs, gates, kernels, patch
 
 TARGET = "rocm_fp8_paged_mqa_logits"
 V41 = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
@@ -122,8 +122,8 @@ def _fail_gate(monkeypatch, gate):
         monkeypatch.setattr(rocm, "_GCN_ARCH", "gfx942:sramecc+:xnack-")
         return "not gfx950 (vLLM reports gfx942"
     if gate == "kernel":
-        monkeypatch.setattr(kernel_lookup, "KERNEL_MODULES", ("aiter.ops.flydsl_missing",))
-        return "aiter has no usable FlyDSL kernel (aiter.ops.flydsl_missing: ModuleNotFoundError"
+        monkeypatch.setattr(kernels, "KERNEL_MODULES", ("aiter.ops.flydsl_missing",))
+        return "aiter.ops.flydsl_missing: ModuleNotFoundError"
     if gate == "target":
         import vllm.v1.attention.ops.rocm_aiter_mla_sparse as t
 
@@ -170,9 +170,9 @@ def test_kernel_probe_reports_non_import_errors(monkeypatch):
         raise RuntimeError("flydsl 0.0.9 does not match aiter's pin")
 
     monkeypatch.setitem(sys.modules, "aiter_broken_probe", broken)
-    monkeypatch.setattr(kernel_lookup.importlib, "import_module", boom)
-    result = kernel_lookup.find_kernel()
-    assert result.kernel is None
+    monkeypatch.setattr(kernels.importlib, "import_module", boom)
+    result = kernels.find_kernel()
+    assert result.variant is None
     assert "RuntimeError: flydsl 0.0.9 does not match aiter's pin" in result.reason
 
 
@@ -183,9 +183,9 @@ def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
         return out
 
     monkeypatch.setattr(fly, "flydsl_fp8_paged_mqa_logits", flydsl_fp8_paged_mqa_logits)
-    monkeypatch.setattr(kernel_lookup, "KERNEL_MODULES", ("aiter.ops.flydsl",))
-    result = kernel_lookup.find_kernel()
-    assert result.kernel is None and "lacks keyword-only Preshuffle, KVBlockSize" in result.reason
+    monkeypatch.setattr(kernels, "KERNEL_MODULES", ("aiter.ops.flydsl",))
+    result = kernels.find_kernel()
+    assert result.variant is None and "lacks keyword-only Preshuffle, KVBlockSize" in result.reason
 
 
 @pytest.mark.parametrize(

@@ -58,7 +58,7 @@ def test_correct_kernel_passes_then_costs_nothing(target, workspace, verified, a
 def test_wrong_kernel_is_caught_and_process_falls_back(
     target, workspace, verified, aiter_calls, plugin_log, monkeypatch
 ):
-    import aiter.ops.flydsl as fly
+    import aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits as fly
 
     monkeypatch.setattr(fly, "BROKEN", True)
     p1, p2 = problems(2)
@@ -73,4 +73,22 @@ def test_wrong_kernel_is_caught_and_process_falls_back(
     aiter_calls.clear()
     call(target.rocm_fp8_paged_mqa_logits, p2, 1)
     assert [a for a, _ in aiter_calls] == ["gluon"]
+    assert verified.router.disabled_reason is not None
+
+
+def test_canary_sees_a_column_the_kernel_never_writes(
+    target, workspace, verified, aiter_calls, plugin_log, monkeypatch
+):
+    """FlyDSL runs into a NaN-filled buffer, not over stock's answer, so a missing column shows."""
+    import aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits as fly
+
+    monkeypatch.setattr(fly, "SHORT_BY_ONE", True)
+    (p1,) = problems(1)
+    out = call(target.rocm_fp8_paged_mqa_logits, p1, 1)
+    assert [a for a, _ in aiter_calls] == ["gluon", "flydsl"]
+    errors = [r.getMessage() for r in plugin_log if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "DISAGREE" in errors[0] and "NaN or unwritten" in errors[0], errors
+    stock = call(verified.original, p1, 1)
+    ends = read_window_ends(p1.context_lens, 8, 2)
+    assert compare_in_windows(stock, out, ends).ok(0), "the canary call must return stock's answer"
     assert verified.router.disabled_reason is not None

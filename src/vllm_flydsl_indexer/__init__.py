@@ -77,8 +77,8 @@ def _register(logger: logging.Logger) -> None:
             from vllm_flydsl_indexer.agreement import make_verifier
 
             verifier = make_verifier()
-        assert decision.target_module is not None and decision.kernel is not None
-        patch.install(decision.target_module, decision.kernel, logger, verifier)
+        assert decision.target_module is not None and decision.variant is not None
+        patch.install(decision.target_module, decision.variant, logger, verifier)
     line = decision.log_line()
     if decision.warnings:
         logger.warning("%s [%s]", line, "; ".join(decision.warnings))

@@ -13,6 +13,7 @@ the code the plugin installs, with hooks that mirror vLLM's.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Callable
@@ -22,7 +23,8 @@ import torch
 
 from vllm_flydsl_indexer._logging import get_logger
 from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
-from vllm_flydsl_indexer.kernel_lookup import find_kernel
+from vllm_flydsl_indexer.callers import DEFINING_MODULE
+from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
 from vllm_flydsl_indexer.reference import flydsl_contract_reference, gluon_contract_reference
 
 GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
@@ -36,6 +38,15 @@ class Arms:
     why: str
     gluon: Callable[..., torch.Tensor]
     flydsl: Callable[..., torch.Tensor]
+    variant: KernelVariant | None = None
+
+    def flydsl_variant(self) -> KernelVariant:
+        """The found API, or the reference contract posing as the general kernel."""
+        if self.variant is not None:
+            return self.variant
+        return KernelVariant(
+            "general", self.flydsl, "reference FlyDSL contract", Limits(), "reference contract"
+        )
 
 
 def _find_gluon() -> tuple[Callable | None, str]:
@@ -77,11 +88,16 @@ def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
         reference.why = f"aiter's Gluon kernel not found ({where})"
         return reference
     lookup = find_kernel()
-    if lookup.kernel is None:
+    if lookup.variant is None:
         reference.why = f"aiter's FlyDSL kernel not found ({lookup.reason})"
         return reference
     return Arms(
-        True, "real kernels: aiter Gluon vs aiter FlyDSL", f"{where}, {lookup.location}", gluon, lookup.kernel
+        True,
+        f"real kernels: aiter Gluon vs aiter FlyDSL ({lookup.variant.name})",
+        f"{where}, {lookup.location}",
+        gluon,
+        lookup.variant.fn,
+        lookup.variant,
     )
 
 
@@ -145,4 +161,11 @@ def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None
         per_sequence_lens=per_sequence_context_lens,
         dcp_world_size=lambda: 1,
     )
-    return FlyDSLRouter(stock_call(arms.gluon, workspace), arms.flydsl, hooks, logger or get_logger())
+    return FlyDSLRouter(
+        stock_call(arms.gluon, workspace), arms.flydsl_variant(), hooks, logger or get_logger()
+    )
+
+
+def from_defining_module(router: FlyDSLRouter) -> Callable[..., torch.Tensor]:
+    """The router as the defining module's own indexer calls it (the mirror's call site)."""
+    return functools.partial(router.call_from, DEFINING_MODULE)

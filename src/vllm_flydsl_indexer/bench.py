@@ -32,7 +32,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, Workspace, detect_arms, patched_call, stock_call
+from vllm_flydsl_indexer.arms import (
+    Arms,
+    Workspace,
+    detect_arms,
+    from_defining_module,
+    patched_call,
+    stock_call,
+)
 from vllm_flydsl_indexer.progress import Progress
 from vllm_flydsl_indexer.reference import (
     PagedProblem,
@@ -245,7 +252,7 @@ def arm_callables(arms: Arms, workspace: Workspace) -> dict[str, tuple[bool, Cal
         found["gluon"] = (True, raw(arms.gluon, ChunkK=256, WavePerEU=2))
         found["flydsl"] = (True, raw(arms.flydsl))
     found["stock-call" + suffix] = (arms.real, call(stock_call(arms.gluon, workspace)))
-    found["patched-call" + suffix] = (arms.real, call(patched_call(arms, workspace)))
+    found["patched-call" + suffix] = (arms.real, call(from_defining_module(patched_call(arms, workspace))))
     found["reference"] = (False, reference)
     return found
 

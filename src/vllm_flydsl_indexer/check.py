@@ -16,7 +16,14 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, Workspace, detect_arms, patched_call, stock_call
+from vllm_flydsl_indexer.arms import (
+    Arms,
+    Workspace,
+    detect_arms,
+    from_defining_module,
+    patched_call,
+    stock_call,
+)
 from vllm_flydsl_indexer.progress import Progress
 from vllm_flydsl_indexer.reference import make_paged_problem
 
@@ -111,7 +118,7 @@ def run_case(case: Case, arms: Arms, device: torch.device, seed: int, topk: int)
     workspace.buffer.fill_(float("nan"))
     stock_out = stock(*args).clone()
     workspace.buffer.fill_(float("nan"))
-    patched_out = patched(*args).clone()
+    patched_out = from_defining_module(patched)(*args).clone()
 
     ends = read_window_ends(problem.context_lens, rows, problem.next_n)
     agreement = compare_in_windows(stock_out, patched_out, ends, topk)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import importlib.metadata
 import inspect
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer.kernel_lookup import find_kernel
+from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 
 TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 TARGET_NAME = "rocm_fp8_paged_mqa_logits"
@@ -50,8 +49,7 @@ class Decision:
     active: bool
     reason: str
     gates: list[Gate] = field(default_factory=list)
-    kernel: Callable | None = None
-    kernel_location: str | None = None
+    variant: KernelVariant | None = None
     target_module: ModuleType | None = None
     verify: bool = False
     warnings: list[str] = field(default_factory=list)
@@ -60,8 +58,9 @@ class Decision:
         if self.active:
             return (
                 "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE "
-                f"({self.kernel_location} replaces {TARGET_MODULE}.{TARGET_NAME} "
-                "for eligible decode calls"
+                f"({self.variant.location if self.variant else '?'}, "
+                f"{self.variant.description if self.variant else '?'}, replaces "
+                f"{TARGET_MODULE}.{TARGET_NAME} for eligible decode calls"
                 f"{'; verify-on-enable on' if self.verify else ''})"
             )
         return f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {self.reason})"
@@ -186,10 +185,14 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         yield rocm
         yield gfx950
         lookup = find_kernel()
-        if lookup.kernel is None:
+        if lookup.variant is None:
             yield Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
         else:
-            yield Gate("kernel", True, f"found {lookup.location}")
+            yield Gate(
+                "kernel",
+                True,
+                f"found {lookup.location}: {lookup.variant.name} ({lookup.variant.description})",
+            )
         target_gate, module = _check_target()
         yield target_gate
 
@@ -208,8 +211,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         True,
         "all gates passed",
         gates,
-        lookup.kernel,
-        lookup.location,
+        lookup.variant,
         module,
         verify=verify.enabled,
         warnings=warnings,

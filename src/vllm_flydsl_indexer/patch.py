@@ -10,11 +10,15 @@ Patch registry (one patch):
 * **How:** a wrapper with the same signature replaces the function object in
   the defining module and in every already-imported module that bound the
   same object (vLLM 0.33.0: ``vllm.models.deepseek_v41.amd.ops.sparse_indexer``
-  binds it at import). Modules imported later import the replaced name.
-  The wrapper keeps the original as ``__wrapped__``; ineligible calls go to it
-  unchanged, so the stock path is byte-for-byte stock.
-* **Upstream:** aiter PR #4221 (not merged). Retire this patch once vLLM
-  routes to FlyDSL itself.
+  binds it at import). Modules imported later, or importing the name at call
+  time (``vllm.models.glm5next.amd.sparse_indexer``), get the replaced name.
+  The wrapper reads the calling module from its caller's frame (one
+  ``sys._getframe`` per call, no device work) and hands it to the router,
+  which applies the call-site audit of :mod:`vllm_flydsl_indexer.callers`. It
+  keeps the original as ``__wrapped__``; ineligible calls go to it unchanged,
+  so the stock path is byte-for-byte stock.
+* **Upstream:** aiter PR #4221 (the kernel; not merged) and aiter PR #6140 (the
+  tuned dispatcher; open). Retire this patch once vLLM routes to FlyDSL itself.
 
 Why it is safe: everything is resolved before anything changes, the swap is
 plain attribute assignment, and :func:`uninstall` restores every binding.
@@ -33,6 +37,7 @@ import torch
 
 from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
 from vllm_flydsl_indexer.gates import TARGET_NAME
+from vllm_flydsl_indexer.kernels import KernelVariant
 
 MARKER = "_vllm_flydsl_indexer"
 
@@ -94,7 +99,7 @@ def _bindings(original: Callable) -> list[ModuleType]:
 
 def install(
     target: ModuleType,
-    kernel: Callable,
+    variant: KernelVariant,
     logger: logging.Logger,
     verifier: Callable | None = None,
 ) -> InstalledPatch:
@@ -105,11 +110,13 @@ def install(
         assert _installed is not None
         return _installed
     hooks = vllm_stock_hooks(target)
-    router = FlyDSLRouter(current, kernel, hooks, logger, verifier=verifier)
+    router = FlyDSLRouter(current, variant, hooks, logger, verifier=verifier)
+    route = router.call_from
+    caller_frame = sys._getframe
 
     @functools.wraps(current)
     def rocm_fp8_paged_mqa_logits(*args, **kwargs):
-        return router(*args, **kwargs)
+        return route(caller_frame(1).f_globals.get("__name__"), *args, **kwargs)
 
     setattr(rocm_fp8_paged_mqa_logits, MARKER, True)
     rocm_fp8_paged_mqa_logits.router = router  # type: ignore[attr-defined]

@@ -1,82 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""FlyDSL-contract double of aiter PR #4221's ``flydsl_fp8_paged_mqa_logits``.
+"""Test double of ``aiter.ops.flydsl``: re-exports one FlyDSL kernel double.
 
-Reproduces the real wrapper's asserts, so any call the adapter lets through
-that the real kernel would reject fails the tests. ``BROKEN`` makes it
-deliberately wrong (for the verify-on-enable canary tests).
+``$AITER_DOUBLE_FLYDSL`` picks which API the name ``flydsl_fp8_paged_mqa_logits``
+means, as different aiter revisions do: ``general`` (default; aiter PR #4221),
+``gfx950`` (the gfx950-specialised kernel), ``none`` (an aiter without it) or
+``broken-import`` (an aiter/flydsl mismatch: importing raises RuntimeError).
 """
 
-import math
+import os
 
-import torch
+_WHICH = os.environ.get("AITER_DOUBLE_FLYDSL", "general")
 
-import aiter
-from vllm_flydsl_indexer.reference import flydsl_contract_reference
-
-BROKEN = False
-
-
-def _pow2(n):
-    return n > 0 and (n & (n - 1)) == 0
-
-
-def flydsl_fp8_paged_mqa_logits(
-    q_fp8,
-    kv_cache,
-    weights,
-    out_logits,
-    context_lens,
-    kv_indices,
-    max_model_len,
-    *,
-    Preshuffle=False,
-    KVBlockSize=1,
-    ChunkK=128,
-    SplitKV=None,
-    WavePerEU=2,
-    TotalCuCount=None,
-    variant=None,
-    stream=None,
-):
-    batch_size, next_n, heads, head_dim = q_fp8.shape
-    if Preshuffle:
-        assert KVBlockSize % 16 == 0
-    assert ChunkK % 32 == 0
-    assert _pow2(heads) and _pow2(head_dim)
-    assert heads % 32 == 0 and head_dim % 64 == 0
-    num_blocks, kvb, one, index_dim = kv_cache.shape
-    assert (kvb, one) == (KVBlockSize, 1) and index_dim >= head_dim + 4
-    assert kv_cache.dtype == torch.uint8
-    assert num_blocks * KVBlockSize * index_dim < 2**31
-    assert q_fp8.dtype in (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
-    # The real wrapper reshapes; (B, next_n > 1) raises there.
-    lens = context_lens.reshape(batch_size)
-    # The real kernel assumes a block stride of KVBlockSize * index_dim.
-    assert kv_cache.is_contiguous()
-    aiter.CALLS.append(
-        (
-            "flydsl",
-            {
-                "Preshuffle": Preshuffle,
-                "KVBlockSize": KVBlockSize,
-                "ChunkK": ChunkK,
-                "SplitKV": SplitKV,
-                "WavePerEU": WavePerEU,
-                "variant": variant,
-            },
-        )
+if _WHICH == "general":
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits import flydsl_fp8_paged_mqa_logits  # noqa: F401
+elif _WHICH == "gfx950":
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950 import (  # noqa: F401
+        flydsl_fp8_paged_mqa_logits,
+        flydsl_fp8_paged_mqa_logits_gfx950,
     )
-    flydsl_contract_reference(
-        q_fp8,
-        kv_cache,
-        weights,
-        out_logits,
-        lens,
-        kv_indices,
-        max_model_len,
-        Preshuffle=Preshuffle,
-        KVBlockSize=KVBlockSize,
-    )
-    if BROKEN:
-        out_logits.mul_(1.0 + 1e-1 * math.pi)
-    return out_logits
+elif _WHICH == "broken-import":
+    raise RuntimeError("double: flydsl version does not match this aiter")
+elif _WHICH != "none":
+    raise ValueError(f"AITER_DOUBLE_FLYDSL={_WHICH!r} is not general/gfx950/none/broken-import")

@@ -1,0 +1,148 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The call-site audit: who calls ``rocm_fp8_paged_mqa_logits``, and what FlyDSL may take from it.
+
+FlyDSL writes row ``(b, i)`` of a ``next_n``-row call over columns ``[0, L_b -
+next_n + i]``, where ``L_b`` is the last column of the caller's bounds. That
+equals what the consumers read only when the caller's ``(B, next_n)`` bounds
+are vLLM's native-MTP table, one apart: ``[b, j] = max(0, L_b - next_n + j +
+1)``. Whether they are depends on where the caller's bounds come from, and an
+argument name is no proof of it: GLM-5-next's kpool indexer passes pool-granular
+(floor-divided) bounds without passing ``compress_ratio``.
+
+So the router asks which module called it (the frame that called the patched
+function, read by :mod:`vllm_flydsl_indexer.patch` at no measurable cost) and
+lets ``next_n > 1`` through only from a call site audited below to pass
+one-apart bounds whenever it passes ``compress_ratio == 1`` and runs without
+decode context parallelism. Every other caller, including any call site a
+future vLLM adds, gets ``next_n == 1`` only, which is always safe: a single row
+reads ``[0, L_b)`` and FlyDSL writes exactly that. ``tests/test_drift.py`` fails
+when the installed vLLM has a call site that is not in :data:`CALL_SITES`, or
+when an audited call site passes other arguments than recorded here.
+
+What was checked in vLLM 0.33.0 (and 0.32.0 where the site exists), for every
+entry: the bounds builder
+(``vllm/v1/attention/backends/mla/indexer.py``,
+``DeepseekV32IndexerMetadataBuilder.build``): native MTP
+``[b, j] = max(0, L_b - max_decode_len + j + 1)`` (clamped at 0 for padding
+requests, still one apart where non-zero); the flattened path (one row per
+token, ``next_n == 1``); DCP localisation after expansion (per-token, not one
+apart); compression ``seq_lens //= compress_ratio`` with the builder's ratio,
+which is the cache spec's ``tokens_per_state``; the draft-model update
+(``update_draft_decode_metadata``: one token per request, ``next_n == 1``). And
+the consumers after the call: aiter's ``indexer_top_k_decode`` and vLLM's
+``top_k_per_row_decode`` read row ``r`` over ``[0, seq_lens.reshape(-1)[r])``;
+DeepSeek-V4.1's candidate selection and mask use ``seq_lens.reshape(-1)``,
+repeated ``next_n`` times when it holds one entry per sequence; its gfx942 hooks
+(``topk.py``) do not run on gfx950; GLM-5-next's kpool top-k reads its
+pool-granular ``seq_lens`` per row. Nothing fills or sanitises the logits in
+between.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+# The module that defines the target; its own indexer calls it.
+DEFINING_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
+
+
+@dataclass(frozen=True)
+class CallSite:
+    """One audited call of the target, and what FlyDSL may take from it."""
+
+    module: str
+    function: str
+    # Argument names the call passes (positional ones by the target's names).
+    passes: frozenset[str]
+    bounds: str
+    compress_ratio: str
+    dcp: str
+    # May FlyDSL take next_n > 1 from here (always with compress_ratio == 1, DCP 1)?
+    multi_row: bool
+    vllm: str
+
+
+_ALL_ARGS = frozenset(
+    {
+        "q_fp8",
+        "kv_cache_fp8",
+        "weights",
+        "context_lens",
+        "block_tables",
+        "schedule_metadata",
+        "max_model_len",
+    }
+)
+
+CALL_SITES: dict[str, CallSite] = {
+    site.module: site
+    for site in (
+        CallSite(
+            module=DEFINING_MODULE,
+            function="rocm_aiter_sparse_attn_indexer",
+            passes=_ALL_ARGS | {"compress_ratio"},
+            bounds="indexer builder's decode.seq_lens: (B, 1), or native-MTP (B, next_n) one apart, "
+            "floor-divided by the builder's ratio when it is > 1",
+            compress_ratio="passes the indexer layer's compress_ratio (DeepSeek-V3.2, GLM-5.x: 1; "
+            "GLM-5-next reaches this site only with index_kpool <= 1)",
+            dcp="bounds localised per token when DCP > 1",
+            multi_row=True,
+            vllm="0.32.0, 0.33.0",
+        ),
+        CallSite(
+            module="vllm.models.deepseek_v41.amd.ops.sparse_indexer",
+            function="_decode_step",
+            passes=_ALL_ARGS | {"compress_ratio"},
+            bounds="same builder and decode.seq_lens as the defining module's indexer",
+            compress_ratio="passes the layer's compress_ratio",
+            dcp="bounds localised per token when DCP > 1",
+            multi_row=True,
+            vllm="0.33.0",
+        ),
+        CallSite(
+            module="vllm.models.glm5next.amd.sparse_indexer",
+            function="sparse_attn_indexer_kpool",
+            passes=_ALL_ARGS,
+            bounds="pool-granular: the builder's ratio is tokens_per_state = index_kpool > 1, so every "
+            "entry is floor-divided and MTP neighbours can be equal; max_model_len=max_pool_len",
+            compress_ratio="does NOT pass it (stays 1) although its bounds are compressed",
+            dcp="bounds localised per token when DCP > 1",
+            multi_row=False,
+            vllm="0.32.0, 0.33.0",
+        ),
+    )
+}
+
+
+def multi_row_objection(caller: str | None) -> str | None:
+    """Why FlyDSL may not take a ``next_n > 1`` call from ``caller``, or ``None``."""
+    site = CALL_SITES.get(caller) if caller is not None else None
+    if site is None:
+        return (
+            f"next_n > 1 from a caller this package has not audited ({caller or 'unknown'}): "
+            "only next_n == 1 is always safe"
+        )
+    if not site.multi_row:
+        return f"next_n > 1 from {caller}: its bounds are {site.bounds.split(':')[0]} ({site.compress_ratio})"
+    return None
+
+
+_CALL_SITE = compile(
+    "def call_site(fn, args, kwargs):\n    return fn(*args, **kwargs)\n",
+    "<vllm-flydsl-indexer call site>",
+    "exec",
+)
+
+
+def call_site_in(module: ModuleType) -> Callable[[Callable, tuple, dict], object]:
+    """A function living in ``module`` (its globals are the module's) that calls what it is given.
+
+    ``call_site_in(m)(fn, args, kwargs)`` calls ``fn`` exactly as code in ``m``
+    would, so the patch sees ``m`` as the caller. For ``check`` and tests; it
+    adds no name to ``m``.
+    """
+    namespace: dict[str, object] = {}
+    exec(_CALL_SITE, vars(module), namespace)  # noqa: S102 - a fixed one-line function
+    return namespace["call_site"]  # type: ignore[return-value]

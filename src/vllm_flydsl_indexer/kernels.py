@@ -1,0 +1,390 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Which FlyDSL paged-MQA-logits API the installed aiter has, and its exact contract.
+
+One public name has meant several kernels, so the lookup identifies what it
+found from signatures and module constants, never from the name alone:
+
+* ``dispatcher``: aiter's tuned dispatcher (aiter PR #6140),
+  ``aiter.paged_mqa_logits.paged_mqa_logits`` beside
+  ``get_paged_mqa_logits_config``. Its measured table picks Gluon or FlyDSL
+  per shape and it falls back to vLLM's exact Gluon call, so it is preferred.
+  Identified by both functions (a fork ships an unrelated module of that name).
+* ``gfx950``: the gfx950-specialised ``flydsl_fp8_paged_mqa_logits``
+  (``fp8_paged_mqa_logits_gfx950.py``): fixed heads, head_dim, KVBlockSize and
+  index_dim read from its module constants, Preshuffle required, ``next_n`` up
+  to ``MAX_NN``; keyword-only ``next_n_lens``, no ``ChunkK``. Its automatic
+  SplitKV reads ``context_lens.max().item()``, a host sync that breaks graph
+  capture, so the launch always passes an explicit ``SplitKV`` computed from
+  shapes as aiter's dispatcher does.
+* ``general``: aiter PR #4221's kernel: heads and head_dim powers of two
+  (multiples of 32 and 64), KVBlockSize 1 or a multiple of 16; keyword-only
+  ``ChunkK``, ``WavePerEU``, ``variant``. Launched with KVBlockSize and
+  Preshuffle only; its other knobs keep their defaults.
+
+Anything else (an API of another shape) is ``unknown`` and keeps vLLM on the
+stock path with the reason. Importing aiter can fail with errors other than
+ImportError (an aiter/flydsl mismatch), so every probe catches any exception
+and records it. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
+# Probed in order: the re-export, the PR branch's module, earlier revisions.
+KERNEL_MODULES = (
+    "aiter.ops.flydsl",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
+    "aiter.ops.flydsl.kernels.fp8_paged_mqa_logits",
+)
+DISPATCHER_MODULE = "aiter.paged_mqa_logits"
+DISPATCHER_NAME = "paged_mqa_logits"
+DISPATCHER_CONFIG_NAME = "get_paged_mqa_logits_config"
+
+I32_OFFSET_LIMIT = 2**31
+SCALE_BYTES = 4
+PRESHUFFLE_ALIGN = 16
+MIN_HEAD_MULTIPLE = 32
+MIN_HEAD_DIM_MULTIPLE = 64
+# aiter's dispatcher: workgroups per CU when it picks SplitKV for FlyDSL.
+WORKGROUPS_PER_CU = 3
+
+# The indexer shapes of the models that reach the call, for reports:
+# label -> (heads, head_dim).
+MODEL_SHAPES = {
+    "DeepSeek-V3.2": (64, 128),
+    "GLM-5.x / DeepSeek-V4.1": (32, 128),
+}
+REPORT_BLOCK_SIZES = (64, 1)
+REPORT_NEXT_NS = (1, 2)
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def _as_set(value: object) -> frozenset[int] | None:
+    """A module constant as a set of ints: ``32`` or ``(32, 64)``; ``None`` if unreadable."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return frozenset({value})
+    if (
+        isinstance(value, (tuple, list, set, frozenset))
+        and value
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
+        return frozenset(value)
+    return None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a kernel API accepts beyond the common contract. ``None``: the general rule."""
+
+    heads: frozenset[int] | None = None
+    head_dims: frozenset[int] | None = None
+    block_sizes: frozenset[int] | None = None
+    index_dim: int | None = None
+    max_next_n: int | None = None
+    preshuffle_required: bool = False
+    # The real wrapper raises on a non-contiguous q.
+    q_contiguous: bool = False
+
+    def violation(
+        self, heads: int, head_dim: int, block_size: int, index_dim: int, next_n: int
+    ) -> str | None:
+        if self.heads is None:
+            if not _is_pow2(heads) or heads % MIN_HEAD_MULTIPLE:
+                return f"heads={heads} is not a power of two and a multiple of 32"
+        elif heads not in self.heads:
+            return f"heads={heads} is not one of {sorted(self.heads)}"
+        if self.head_dims is None:
+            if not _is_pow2(head_dim) or head_dim % MIN_HEAD_DIM_MULTIPLE:
+                return f"head_dim={head_dim} is not a power of two and a multiple of 64"
+        elif head_dim not in self.head_dims:
+            return f"head_dim={head_dim} is not one of {sorted(self.head_dims)}"
+        if self.block_sizes is None:
+            if block_size > 1 and block_size % PRESHUFFLE_ALIGN:
+                return f"KVBlockSize={block_size} is not 1 or a multiple of 16"
+        elif block_size not in self.block_sizes:
+            return f"KVBlockSize={block_size} is not one of {sorted(self.block_sizes)}"
+        if self.preshuffle_required and block_size == 1:
+            return "KVBlockSize=1 (no preshuffle) but this kernel requires Preshuffle"
+        if self.index_dim is not None and index_dim != self.index_dim:
+            return f"kv_cache index_dim={index_dim} is not {self.index_dim}"
+        if self.max_next_n is not None and next_n > self.max_next_n:
+            return f"next_n={next_n} is above this kernel's maximum {self.max_next_n}"
+        return None
+
+
+def common_violation(
+    q_fp8: torch.Tensor,
+    kv_cache: torch.Tensor,
+    weights: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> str | None:
+    """Why the call breaks what every FlyDSL API takes, or ``None``.
+
+    Contiguity of the cache is checked per call by the router, not here.
+    """
+    if q_fp8.dim() != 4:
+        return f"q_fp8 is {q_fp8.dim()}-D, not (B, next_n, H, D)"
+    batch, next_n, heads, head_dim = q_fp8.shape
+    if q_fp8.dtype != torch.float8_e4m3fn:
+        return f"q_fp8 dtype {q_fp8.dtype} is not float8_e4m3fn"
+    if kv_cache.dtype != torch.uint8:
+        return f"kv_cache dtype {kv_cache.dtype} is not uint8"
+    if kv_cache.dim() != 4 or kv_cache.shape[2] != 1:
+        return f"kv_cache shape {tuple(kv_cache.shape)} is not (blocks, KVB, 1, dim)"
+    num_blocks, block_size, _, index_dim = kv_cache.shape
+    if index_dim < head_dim + SCALE_BYTES:
+        return f"kv_cache index_dim={index_dim} < head_dim + 4"
+    if num_blocks * block_size * index_dim >= I32_OFFSET_LIMIT:
+        return "kv_cache pool is 2**31 bytes or more (FlyDSL uses i32 offsets)"
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (batch * next_n, heads):
+        return f"weights ({weights.dtype}, {tuple(weights.shape)}) are not float32 (B*next_n, H)"
+    if (
+        context_lens.dtype != torch.int32
+        or context_lens.dim() not in (1, 2)
+        or context_lens.shape[0] != batch
+    ):
+        return f"context_lens ({context_lens.dtype}, {tuple(context_lens.shape)}) are not int32 with B rows"
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] != batch:
+        return f"block_tables ({block_tables.dtype}, {block_tables.dim()}-D) are not int32 (B, max_blocks)"
+    return None
+
+
+@functools.lru_cache(maxsize=16)
+def _device_cu_count(device_type: str, index: int | None) -> int:
+    if device_type == "cuda":
+        return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+    return 1
+
+
+def cu_count(device: torch.device) -> int:
+    """Compute units of ``device`` (a host-side property read, cached; no sync)."""
+    return _device_cu_count(device.type, device.index)
+
+
+def explicit_split_kv(cus: int, batch: int, max_model_len: int, block_size: int) -> int:
+    """aiter's dispatcher rule: ``max(1, min(pages, ceil(cu * wg_per_cu / batch)))``.
+
+    ``pages`` counts the KV blocks of ``max_model_len``. Shapes only: no device read.
+    """
+    pages = -(-max_model_len // block_size)
+    return max(1, min(pages, -(-cus * WORKGROUPS_PER_CU // max(batch, 1))))
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One identified FlyDSL API: its name, function, contract and graph-safe launch."""
+
+    name: str
+    fn: Callable[..., torch.Tensor]
+    location: str
+    limits: Limits
+    description: str
+
+    def violation(
+        self,
+        q_fp8: torch.Tensor,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        context_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+    ) -> str | None:
+        """Why this API cannot take the call exactly, or ``None``."""
+        problem = common_violation(q_fp8, kv_cache, weights, context_lens, block_tables)
+        if problem is not None:
+            return problem
+        _, next_n, heads, head_dim = q_fp8.shape
+        problem = self.limits.violation(heads, head_dim, kv_cache.shape[1], kv_cache.shape[3], next_n)
+        if problem is not None:
+            return f"{problem} ({self.name} FlyDSL kernel)"
+        if self.limits.q_contiguous and not q_fp8.is_contiguous():
+            return f"q_fp8 is not contiguous ({self.name} FlyDSL kernel)"
+        return None
+
+    def launch_kwargs(self, batch: int, block_size: int, max_model_len: int, cus: int) -> dict[str, object]:
+        """The keyword arguments of every launch of this shape: shapes only, so graph-safe.
+
+        KVBlockSize and Preshuffle always; an explicit SplitKV for the gfx950
+        kernel, whose automatic one reads device memory on the host.
+        """
+        kwargs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
+        if self.name == "gfx950":
+            kwargs["SplitKV"] = explicit_split_kv(cus, batch, max_model_len, block_size)
+        return kwargs
+
+    def launch(
+        self,
+        q_fp8: torch.Tensor,
+        kv_cache: torch.Tensor,
+        weights: torch.Tensor,
+        out_logits: torch.Tensor,
+        per_sequence_lens: torch.Tensor,
+        block_tables: torch.Tensor,
+        max_model_len: int,
+        cu_count: int,
+    ) -> torch.Tensor:
+        """One launch writing ``out_logits`` in place: no prefill, no host read.
+
+        The router calls ``fn`` with memoised :meth:`launch_kwargs` instead; this
+        is the same launch, for tools and tests.
+        """
+        kwargs = self.launch_kwargs(q_fp8.shape[0], kv_cache.shape[1], max_model_len, cu_count)
+        self.fn(
+            q_fp8, kv_cache, weights, out_logits, per_sequence_lens, block_tables, max_model_len, **kwargs
+        )
+        return out_logits
+
+    def eligible_configs(self) -> Iterable[tuple[str, int, int, int, int]]:
+        """``(model, heads, head_dim, KVBlockSize, next_n)`` of the report shapes this API takes."""
+        for model, (heads, head_dim) in MODEL_SHAPES.items():
+            for block_size in REPORT_BLOCK_SIZES:
+                for next_n in REPORT_NEXT_NS:
+                    index_dim = self.limits.index_dim or head_dim + SCALE_BYTES
+                    if self.limits.violation(heads, head_dim, block_size, index_dim, next_n) is None:
+                        yield model, heads, head_dim, block_size, next_n
+
+
+def _parameters(fn: Callable) -> dict[str, inspect.Parameter] | str:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError) as e:
+        return f"signature unreadable ({e})"
+
+
+def _keyword_only(params: dict[str, inspect.Parameter], names: Iterable[str]) -> list[str]:
+    return [n for n in names if n not in params or params[n].kind is not inspect.Parameter.KEYWORD_ONLY]
+
+
+def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> KernelVariant | str:
+    """The variant of a ``flydsl_fp8_paged_mqa_logits`` found at ``location``, or why it is unknown."""
+    params = _parameters(fn)
+    if isinstance(params, str):
+        return params
+    missing = _keyword_only(params, ("Preshuffle", "KVBlockSize"))
+    if missing:
+        return f"lacks keyword-only {', '.join(missing)}"
+    general_knobs = {"ChunkK", "WavePerEU", "variant"}
+    if "next_n_lens" in params and not general_knobs & set(params):
+        if "SplitKV" not in params or params["SplitKV"].kind is not inspect.Parameter.KEYWORD_ONLY:
+            return "gfx950-style API without a keyword-only SplitKV (cannot launch it graph-safely)"
+        source = _defining_module(fn, module)
+        constants = {
+            name: _as_set(getattr(source, name, None))
+            for name in ("NUM_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM", "MAX_NN")
+        }
+        unreadable = [name for name, value in constants.items() if value is None]
+        if unreadable:
+            return f"gfx950-style API whose module lacks readable {', '.join(unreadable)}"
+        (index_dim,) = constants["INDEX_DIM"] if len(constants["INDEX_DIM"]) == 1 else (None,)
+        if index_dim is None or len(constants["MAX_NN"]) != 1:
+            return "gfx950-style API with ambiguous INDEX_DIM or MAX_NN"
+        limits = Limits(
+            heads=constants["NUM_HEADS"],
+            head_dims=constants["HEAD_DIM"],
+            block_sizes=constants["KV_BLOCK_SIZE"],
+            index_dim=index_dim,
+            max_next_n=next(iter(constants["MAX_NN"])),
+            preshuffle_required=True,
+            q_contiguous=True,
+        )
+        return KernelVariant("gfx950", fn, location, limits, "gfx950-specialised FlyDSL kernel")
+    if general_knobs <= set(params) and "next_n_lens" not in params:
+        return KernelVariant("general", fn, location, Limits(), "general FlyDSL kernel (aiter PR #4221)")
+    return "an API of an unknown shape (neither the PR #4221 kernel nor the gfx950 kernel)"
+
+
+def _defining_module(fn: Callable, fallback: ModuleType | None) -> ModuleType | None:
+    name = getattr(fn, "__module__", None)
+    try:
+        return importlib.import_module(name) if name else fallback
+    except Exception:  # noqa: BLE001 - fall back to where it was found
+        return fallback
+
+
+def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | str:
+    """The tuned dispatcher in ``module``, or why this is not it."""
+    fn = getattr(module, DISPATCHER_NAME, None)
+    config = getattr(module, DISPATCHER_CONFIG_NAME, None)
+    if not callable(fn) or not callable(config):
+        return f"no {DISPATCHER_NAME} with {DISPATCHER_CONFIG_NAME} (not aiter's tuned dispatcher)"
+    params = _parameters(fn)
+    if isinstance(params, str):
+        return params
+    if "Preshuffle" not in params or "KVBlockSize" not in params:
+        return f"{DISPATCHER_NAME} lacks Preshuffle/KVBlockSize"
+    return KernelVariant("dispatcher", fn, location, Limits(), "aiter's tuned Gluon/FlyDSL dispatcher")
+
+
+def identify(fn: Callable, module: ModuleType | None) -> KernelVariant | str:
+    """Identify ``fn`` (a kernel or the dispatcher) found in ``module``."""
+    location = f"{getattr(module, '__name__', '?')}.{getattr(fn, '__name__', '?')}"
+    if module is not None and getattr(fn, "__name__", None) == DISPATCHER_NAME:
+        return identify_dispatcher(module, location)
+    return identify_flydsl(fn, module, location)
+
+
+@dataclass(frozen=True)
+class KernelLookup:
+    """The identified API (or ``None``) and what each probe found."""
+
+    variant: KernelVariant | None
+    reason: str
+
+    @property
+    def kernel(self) -> Callable | None:
+        return self.variant.fn if self.variant else None
+
+    @property
+    def location(self) -> str | None:
+        return self.variant.location if self.variant else None
+
+
+def _import(path: str) -> ModuleType | str:
+    try:
+        return importlib.import_module(path)
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason
+        return f"{path}: {type(e).__name__}: {e}"
+
+
+def find_kernel() -> KernelLookup:
+    """The dispatcher if aiter has it, else the first FlyDSL kernel found; never raises."""
+    problems: list[str] = []
+    module = _import(DISPATCHER_MODULE)
+    if isinstance(module, str):
+        problems.append(module)
+    else:
+        found = identify_dispatcher(module, f"{DISPATCHER_MODULE}.{DISPATCHER_NAME}")
+        if isinstance(found, KernelVariant):
+            return KernelLookup(found, "found")
+        problems.append(f"{DISPATCHER_MODULE}: {found}")
+    for path in KERNEL_MODULES:
+        module = _import(path)
+        if isinstance(module, str):
+            problems.append(module)
+            continue
+        fn = getattr(module, KERNEL_NAME, None)
+        if not callable(fn):
+            problems.append(f"{path}: no {KERNEL_NAME}")
+            continue
+        try:
+            found = identify_flydsl(fn, module, f"{path}.{KERNEL_NAME}")
+        except Exception as e:  # noqa: BLE001 - a probe reports, never raises
+            found = f"identification failed ({type(e).__name__}: {e})"
+        if isinstance(found, KernelVariant):
+            return KernelLookup(found, "found")
+        problems.append(f"{path}.{KERNEL_NAME}: {found}")
+    return KernelLookup(None, "; ".join(problems))

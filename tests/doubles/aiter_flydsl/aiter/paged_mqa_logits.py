@@ -1,0 +1,50 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Double of aiter's tuned Gluon/FlyDSL dispatcher (aiter PR #6140).
+
+Importable only with ``$AITER_DOUBLE_DISPATCHER=1`` (most aiter builds lack it).
+Its table picks FlyDSL for heads 32, KVBlockSize 64 at batch >= 64 and Gluon
+elsewhere; the choice is recorded in ``aiter.CALLS``.
+"""
+
+import os
+
+import aiter
+
+if os.environ.get("AITER_DOUBLE_DISPATCHER") != "1":
+    raise ImportError("double: this aiter has no tuned paged MQA logits dispatcher")
+
+from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits import flydsl_fp8_paged_mqa_logits  # noqa: E402
+from aiter.ops.triton.pa_mqa_logits import deepgemm_fp8_paged_mqa_logits  # noqa: E402
+
+
+def get_paged_mqa_logits_config(batch_size, next_n, heads, head_dim, kv_block_size, preshuffle):
+    flydsl = heads == 32 and kv_block_size == 64 and preshuffle and batch_size >= 64
+    return {"backend": "flydsl" if flydsl else "gluon", "ChunkK": 256, "WavePerEU": 2}
+
+
+def paged_mqa_logits(
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    Preshuffle=False,
+    KVBlockSize=1,
+):
+    batch, next_n, heads, head_dim = q_fp8.shape
+    config = get_paged_mqa_logits_config(batch, next_n, heads, head_dim, KVBlockSize, Preshuffle)
+    aiter.CALLS.append(("dispatcher", {"backend": config["backend"]}))
+    kernel = flydsl_fp8_paged_mqa_logits if config["backend"] == "flydsl" else deepgemm_fp8_paged_mqa_logits
+    return kernel(
+        q_fp8,
+        kv_cache,
+        weights,
+        out_logits,
+        context_lens,
+        kv_indices,
+        max_model_len,
+        Preshuffle=Preshuffle,
+        KVBlockSize=KVBlockSize,
+    )
