@@ -177,3 +177,17 @@ def test_flydsl_leaves_columns_past_the_window_untouched(target, workspace, inst
     for r, end in enumerate(ends.tolist()):
         assert not torch.isnan(out[r, :end]).any()
         assert torch.isnan(out[r, end:]).all(), "a column past the window was written"
+
+
+def test_a_nan_inside_a_read_window_fails_the_rule_and_one_outside_does_not():
+    gen = torch.Generator().manual_seed(11)
+    expected = torch.randn(4, 40, generator=gen)
+    ends = torch.tensor([40, 17, 0, 5])
+    assert compare_in_windows(expected, expected.clone(), ends).ok(0)
+    outside = expected.clone()
+    outside[1, 30] = float("nan")  # past row 1's window: nobody reads it
+    assert compare_in_windows(expected, outside, ends).ok(0)
+    inside = expected.clone()
+    inside[3, 4] = float("nan")  # the last column row 3 reads
+    result = compare_in_windows(expected, inside, ends)
+    assert not result.nan_free and not result.ok(1e-3)

@@ -162,3 +162,69 @@ def test_native_mtp_bounds_are_one_apart():
 )
 def test_helpers_the_hooks_use_exist(target, name):
     assert callable(getattr(target, name))
+
+
+def _enclosing_calls() -> list[tuple[str, str, ast.Call]]:
+    """(module, enclosing function, call) for every call of the target in the installed vLLM."""
+    found = []
+    for path in vllm_root().rglob("*.py"):
+        text = path.read_text(errors="ignore")
+        if TARGET_NAME + "(" not in text:
+            continue
+        module = ".".join(path.relative_to(vllm_root().parent).with_suffix("").parts)
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Call) and TARGET_NAME == (
+                    node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+                ):
+                    found.append((module, fn.name, node))
+    # A call inside a nested function is seen from each enclosing def: keep the innermost.
+    innermost: dict[int, tuple[str, str, ast.Call]] = {}
+    for module, name, call in found:
+        innermost[id(call)] = (module, name, call)
+    return list(innermost.values())
+
+
+def test_every_call_site_is_in_the_audit_with_the_recorded_arguments():
+    """An unaudited call site, or an audited one whose arguments changed, fails CI.
+
+    At runtime such a caller is already safe (next_n == 1 only); this makes it loud.
+    """
+    from vllm_flydsl_indexer.callers import CALL_SITES
+
+    sites = _enclosing_calls()
+    assert sites, "no call site of the target found"
+    version = importlib.metadata.version("vllm")
+    seen = set()
+    for module, function_name, call in sites:
+        where = f"{module}.{function_name}:{call.lineno}"
+        assert module in CALL_SITES, f"{where} calls the target and is not in callers.CALL_SITES: audit it"
+        site = CALL_SITES[module]
+        assert function_name == site.function, f"{where}: the audit records {site.function}"
+        passed = set(TARGET_POSITIONAL[: len(call.args)]) | {k.arg for k in call.keywords}
+        assert passed == site.passes, (
+            f"{where} passes {sorted(passed)}, the audit records {sorted(site.passes)}"
+        )
+        assert version.split("+")[0].rsplit(".", 1)[0] in site.vllm or version in site.vllm, (
+            f"{where}: the audit does not list vLLM {version}"
+        )
+        seen.add(module)
+    # Every audited site that this vLLM release has must still be there.
+    expected = {
+        m for m, s in CALL_SITES.items() if any(v.startswith(version[:4]) for v in s.vllm.split(", "))
+    }
+    assert expected <= seen, f"audited call sites gone from vLLM {version}: {expected - seen}"
+
+
+def test_glm5next_kpool_bounds_are_pooled_and_the_call_passes_no_ratio():
+    """What the audit says of GLM-5-next: tokens_per_state = index_kpool, no compress_ratio passed."""
+    text = (vllm_root() / "models/glm5next/common/attention.py").read_text()
+    assert "replace(spec, tokens_per_state=self._index_kpool)" in text
+    builder = (vllm_root() / "v1/attention/backends/mla/indexer.py").read_text()
+    assert "self.compress_ratio = self.kv_cache_spec.tokens_per_state" in builder
+    src = ast.unparse(
+        function(module_source("vllm.models.glm5next.amd.sparse_indexer"), "sparse_attn_indexer_kpool")
+    )
+    assert "max_model_len=max_pool_len" in src

@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Caller-aware eligibility through real vLLM 0.33.0 on the gfx950 simulation.
+
+Every call is made from code living in the calling module (its globals are the
+module's), exactly as that module's own call site makes it, so the patch sees
+the real caller. The workspace is NaN-poisoned first: any column a consumer
+reads that nobody wrote shows as NaN.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+from test_agreement import poison_workspace
+from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE, call_site_in, multi_row_objection
+from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference, make_paged_problem
+
+GLM5NEXT = "vllm.models.glm5next.amd.sparse_indexer"
+DSV41 = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
+
+
+def arms(calls):
+    return [name for name, _ in calls]
+
+
+def glm5next_kpool_call(module, q_fp8, kv_cache, weights, seq_lens, block_table, max_pool_len):
+    """The decode call of ``sparse_attn_indexer_kpool`` as that module makes it: the name is
+    imported at call time, ``max_model_len=max_pool_len``, and no ``compress_ratio``."""
+    source = (
+        "def decode_logits(q, kv, w, seq_lens, bt, max_pool_len):\n"
+        "    from vllm.v1.attention.ops.rocm_aiter_mla_sparse import rocm_fp8_paged_mqa_logits\n"
+        "    return rocm_fp8_paged_mqa_logits(q, kv, w, seq_lens, bt, None, max_model_len=max_pool_len)\n"
+    )
+    namespace: dict = {}
+    exec(compile(source, module.__file__, "exec"), vars(module), namespace)
+    return namespace["decode_logits"](q_fp8, kv_cache, weights, seq_lens, block_table, max_pool_len)
+
+
+def kpool_problem(seed: int, kpool: int = 4):
+    # Token lengths whose pooled MTP bounds collide, e.g. L=10, kpool=4: [(10-1)//4, 10//4] = [2, 2].
+    lens = [10, 4 * 37 + 2, 4 * 20 + 1, 4 * 64 + 3, 0]
+    return make_paged_problem(
+        lens,
+        next_n=2,
+        heads=32,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        compress_ratio=kpool,  # the indexer builder floor-divides by tokens_per_state = index_kpool
+        max_model_len=1024 // kpool,  # max_pool_len = max_model_len // index_kpool
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def test_glm5next_kpool_mtp_stays_stock_and_every_read_column_matches(
+    target, workspace, installed, aiter_calls
+):
+    module = importlib.import_module(GLM5NEXT)
+    p = kpool_problem(3)
+    bounds = p.context_lens
+    assert bool((bounds[:, 0] == bounds[:, 1]).any()), "the case must have equal pooled neighbours"
+    rows = p.batch * p.next_n
+    ends = read_window_ends(bounds, rows, p.next_n)
+
+    # The hazard is real: FlyDSL's contract on these bounds leaves read columns unwritten.
+    fly = torch.full((rows, p.max_model_len), float("nan"))
+    fp8_paged_mqa_logits_reference(
+        p.q_fp8,
+        p.kv_cache,
+        p.weights,
+        fly,
+        bounds,
+        p.block_tables,
+        p.max_model_len,
+        preshuffle=True,
+        contract="flydsl",
+    )
+    assert not compare_in_windows(fly, fly, ends).nan_free
+
+    poison_workspace(rows, p.max_model_len)
+    stock = installed.original(
+        p.q_fp8, p.kv_cache, p.weights, bounds, p.block_tables, None, max_model_len=p.max_model_len
+    ).clone()
+    aiter_calls.clear()
+    poison_workspace(rows, p.max_model_len)
+    out = glm5next_kpool_call(module, p.q_fp8, p.kv_cache, p.weights, bounds, p.block_tables, p.max_model_len)
+    assert arms(aiter_calls) == ["gluon"], "GLM-5-next kpool MTP must stay on the stock path"
+    result = compare_in_windows(stock, out, ends, topk=64)
+    assert result.nan_free and result.ok(0), result.describe()
+
+
+@pytest.mark.parametrize("caller", [DEFINING_MODULE, DSV41])
+@pytest.mark.parametrize("heads", [64, 32])
+def test_audited_native_mtp_is_taken(target, workspace, installed, aiter_calls, caller, heads):
+    """DeepSeek-V3.2 (64 heads) and GLM-5.x/V4.1 (32) native MTP with compress_ratio 1: FlyDSL."""
+    p = make_paged_problem(
+        [300, 2, 0, 129],
+        next_n=2,
+        heads=heads,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        generator=torch.Generator().manual_seed(heads),
+    )
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    rows = p.batch * 2
+    poison_workspace(rows, p.max_model_len)
+    stock = installed.original(*args, compress_ratio=1).clone()
+    aiter_calls.clear()
+    poison_workspace(rows, p.max_model_len)
+    out = call_site_in(importlib.import_module(caller))(
+        target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1}
+    )
+    assert arms(aiter_calls) == ["flydsl"]
+    result = compare_in_windows(stock, out, read_window_ends(p.context_lens, rows, 2), topk=64)
+    assert result.nan_free and result.ok(0), result.describe()
+
+
+@pytest.mark.parametrize("caller", ["vllm.model_executor.layers.some_future_indexer", "__main__"])
+def test_unknown_caller_gets_next_n_1_only_and_says_why_once(
+    target, workspace, installed, aiter_calls, plugin_log, caller, monkeypatch
+):
+    import types
+
+    module = types.ModuleType(caller)
+    p2 = make_paged_problem([200, 70], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
+    p1 = make_paged_problem(
+        [200, 70], next_n=1, heads=32, head_dim=128, block_size=64, preshuffle=True, per_row_bounds=False
+    )
+    site = call_site_in(module)
+    for p, expected in ((p2, ["gluon", "gluon"]), (p1, ["flydsl", "flydsl"])):
+        aiter_calls.clear()
+        for _ in range(2):
+            poison_workspace(p.batch * p.next_n, p.max_model_len)
+            args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+            site(target.rocm_fp8_paged_mqa_logits, args, {})
+        assert arms(aiter_calls) == expected
+    lines = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"caller this package has not audited ({caller})" in lines[0]
+    assert [r.levelno for r in plugin_log if "stock path for this call" in r.getMessage()] == [logging.INFO]
+
+
+def test_first_taken_line_names_configuration_and_caller(
+    target, workspace, installed, aiter_calls, plugin_log
+):
+    p = make_paged_problem([90, 33], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    for _ in range(3):
+        site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
+    taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
+    assert taken == [
+        "vllm-flydsl-indexer: FlyDSL taken for heads=64 head_dim=128 KVBlockSize=64 next_n=2 "
+        f"(caller {DEFINING_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits)"
+    ]
+
+
+def test_audit_table_names_every_caller_and_refuses_multi_row_from_glm5next():
+    assert set(CALL_SITES) == {DEFINING_MODULE, DSV41, GLM5NEXT}
+    assert multi_row_objection(DEFINING_MODULE) is None and multi_row_objection(DSV41) is None
+    assert "pool-granular" in multi_row_objection(GLM5NEXT)
+    assert "not audited (unknown)" in multi_row_objection(None)

@@ -1,0 +1,308 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every aiter situation: which API was found, its exact contract, graph safety, no crash.
+
+The doubles model each API's contract as aiter's public source states it
+(``tests/doubles/aiter_flydsl``): the general PR #4221 kernel, the
+gfx950-specialised kernel (which raises ValueError outside its shapes and
+reads ``context_lens.max().item()`` when SplitKV is left automatic), the tuned
+dispatcher, an aiter without any, and one whose import raises.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import sys
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_agreement import poison_workspace
+from vllm_flydsl_indexer import envs, kernels, patch
+from vllm_flydsl_indexer.adapter import FlyDSLRouter
+from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
+from vllm_flydsl_indexer.reference import make_paged_problem
+
+ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")
+DOUBLE_MODULES = (
+    "aiter.ops.flydsl",
+    "aiter.ops.flydsl.kernels",
+    "aiter.ops.flydsl.kernels.mqa_logits",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950",
+    "aiter.paged_mqa_logits",
+)
+SYNC_OPS = {"aiter::_local_scalar_dense", "aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
+
+
+@pytest.fixture
+def aiter_as(monkeypatch):
+    """Make the aiter double look like one revision: ``aiter_as(flydsl=..., dispatcher=...)``."""
+
+    def configure(flydsl: str = "general", dispatcher: bool = False) -> None:
+        monkeypatch.setenv("AITER_DOUBLE_FLYDSL", flydsl)
+        monkeypatch.setenv("AITER_DOUBLE_DISPATCHER", "1" if dispatcher else "0")
+        for name in DOUBLE_MODULES:
+            if name in sys.modules:
+                monkeypatch.delitem(sys.modules, name)
+
+    yield configure
+    for name in DOUBLE_MODULES:  # the next test re-imports under its own settings
+        sys.modules.pop(name, None)
+
+
+def gfx950_module():
+    return importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950")
+
+
+# ---------------------------------------------------------------- identification
+
+
+def test_general_kernel_is_identified():
+    module = importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits")
+    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert variant.name == "general" and variant.limits == kernels.Limits()
+
+
+def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
+    module = gfx950_module()
+    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert variant.name == "gfx950"
+    assert variant.limits.heads == {32} and variant.limits.head_dims == {128}
+    assert variant.limits.block_sizes == {64} and variant.limits.index_dim == 132
+    assert variant.limits.max_next_n == 8 and variant.limits.preshuffle_required
+    # An earlier revision: heads 32 or 64, next_n 1..2.
+    monkeypatch.setattr(module, "NUM_HEADS", (32, 64))
+    monkeypatch.setattr(module, "MAX_NN", 2)
+    early = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert early.limits.heads == {32, 64} and early.limits.max_next_n == 2
+    assert {(h, b, n) for _, h, _, b, n in early.eligible_configs()} == {
+        (64, 64, 1),
+        (64, 64, 2),
+        (32, 64, 1),
+        (32, 64, 2),
+    }
+    monkeypatch.delattr(module, "INDEX_DIM")
+    assert "lacks readable INDEX_DIM" in kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+
+
+def test_unknown_api_shapes_are_refused():
+    def no_knobs(q, kv, w, out, ctx, bt, mml, *, Preshuffle=False, KVBlockSize=1):
+        return out
+
+    def positional_knobs(q, kv, w, out, ctx, bt, mml, Preshuffle=False, KVBlockSize=1, ChunkK=128):
+        return out
+
+    def gfx950_without_split(
+        q, kv, w, out, ctx, bt, mml, *, next_n_lens=None, Preshuffle=True, KVBlockSize=64
+    ):
+        return out
+
+    assert "unknown shape" in kernels.identify(no_knobs, None)
+    assert "lacks keyword-only Preshuffle, KVBlockSize" in kernels.identify(positional_knobs, None)
+    assert "without a keyword-only SplitKV" in kernels.identify(gfx950_without_split, None)
+
+
+def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
+    import types
+
+    fork = types.ModuleType("aiter.paged_mqa_logits")
+    fork.paged_mqa_logits = lambda *a, **k: None  # an OPUS function of another fork: no config lookup
+    assert "not aiter's tuned dispatcher" in kernels.identify_dispatcher(fork, "fork")
+
+
+@pytest.mark.parametrize(
+    "flydsl,dispatcher,expected",
+    [
+        ("general", False, "general"),
+        ("gfx950", False, "gfx950"),
+        ("general", True, "dispatcher"),
+        ("gfx950", True, "dispatcher"),
+        ("none", False, None),
+        ("broken-import", False, None),
+    ],
+)
+def test_find_kernel_in_each_aiter_situation(aiter_as, flydsl, dispatcher, expected):
+    aiter_as(flydsl=flydsl, dispatcher=dispatcher)
+    lookup = kernels.find_kernel()
+    assert (lookup.variant.name if lookup.variant else None) == expected, lookup.reason
+    if flydsl == "broken-import":
+        assert "RuntimeError: double: flydsl version does not match this aiter" in lookup.reason
+    if expected is None:
+        assert "no tuned paged MQA logits dispatcher" in lookup.reason
+        assert "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits:" in lookup.reason
+
+
+def test_explicit_split_kv_follows_aiters_dispatcher_rule():
+    # max(1, min(pages, ceil(cu * 3 / batch))), pages = ceil(max_model_len / KVB)
+    assert kernels.explicit_split_kv(256, 64, 65536, 64) == 12
+    assert kernels.explicit_split_kv(256, 1, 65536, 64) == 768
+    assert kernels.explicit_split_kv(256, 1, 1000, 64) == 16  # capped by the pages
+    assert kernels.explicit_split_kv(256, 4096, 65536, 64) == 1
+
+
+# ---------------------------------------------------------------- each variant through real vLLM
+
+SHAPES = [(heads, kvb, next_n) for heads in (64, 32) for kvb in (64, 1) for next_n in (1, 2)]
+
+
+def expected_arms(variant: str, heads: int, kvb: int, batch: int) -> list[str]:
+    """Written out from each API's contract, independently of the plugin's tables."""
+    if variant == "general":
+        return ["flydsl"]
+    if variant == "gfx950":
+        return ["flydsl-gfx950"] if (heads, kvb) == (32, 64) else ["gluon"]
+    backend = "flydsl" if (heads, kvb) == (32, 64) and batch >= 64 else "gluon"
+    return ["dispatcher", backend]
+
+
+@pytest.mark.parametrize("variant,dispatcher", [("general", False), ("gfx950", False), ("general", True)])
+def test_each_variant_takes_exactly_its_shapes_and_agrees(
+    target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls, variant, dispatcher
+):
+    aiter_as(flydsl=variant, dispatcher=dispatcher)
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    installed = patch.installed()
+    assert installed is not None, [r.getMessage() for r in plugin_log]
+    name = "dispatcher" if dispatcher else variant
+    assert installed.router.variant.name == name
+    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    batches = (3, 64) if dispatcher else (3,)
+    for batch in batches:
+        for i, (heads, kvb, next_n) in enumerate(SHAPES):
+            lens = torch.randint(next_n, 200, (batch,), generator=torch.Generator().manual_seed(i)).tolist()
+            p = make_paged_problem(
+                lens,
+                next_n=next_n,
+                heads=heads,
+                head_dim=128,
+                block_size=kvb,
+                preshuffle=kvb > 1,
+                generator=torch.Generator().manual_seed(100 + i),
+            )
+            args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+            rows = batch * next_n
+            poison_workspace(rows, p.max_model_len)
+            stock = installed.original(*args, compress_ratio=1).clone()
+            aiter_calls.clear()
+            poison_workspace(rows, p.max_model_len)
+            out = site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
+            shape = (name, heads, kvb, next_n, batch)
+            assert [a for a, _ in aiter_calls] == expected_arms(name, heads, kvb, batch), shape
+            result = compare_in_windows(stock, out, read_window_ends(p.context_lens, rows, next_n), topk=64)
+            assert result.nan_free and result.ok(0), (shape, result.describe())
+    assert not [r for r in plugin_log if r.levelno >= logging.ERROR]
+
+
+class SyncAudit(TorchDispatchMode):
+    """Every aten op dispatched while active, kernel included."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func._schema.name)
+        return func(*args, **(kwargs or {}))
+
+
+def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
+    module = gfx950_module()
+    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    p = make_paged_problem([500, 64, 3], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    from test_adapter import Recorder, hooks
+
+    buffer = torch.full((6, p.max_model_len), float("nan"))
+    router = FlyDSLRouter(Recorder(), variant, hooks(buffer=buffer), ADAPTER_LOG)
+    router.call_from(DEFINING_MODULE, *args)  # first call: compile, announce
+    audit = SyncAudit()
+    with audit:
+        router.call_from(DEFINING_MODULE, *args)
+    assert router.calls_taken == 2
+    assert not SYNC_OPS & set(audit.ops), audit.ops
+    # The audit sees the host read that an automatic SplitKV would do (the bug the launch avoids).
+    automatic = SyncAudit()
+    with automatic:
+        module.flydsl_fp8_paged_mqa_logits(
+            p.q_fp8, p.kv_cache, p.weights, buffer, p.context_lens[:, -1], p.block_tables, p.max_model_len
+        )
+    assert SYNC_OPS & set(automatic.ops)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("unsupported heads=64"),
+        AssertionError("KVBlockSize % 16"),
+        TypeError("unexpected keyword ChunkK"),
+        NotImplementedError("variant"),
+        RuntimeError("JIT compilation failed"),
+    ],
+)
+def test_a_raising_kernel_never_reaches_vllm(target, workspace, installed, aiter_calls, plugin_log, error):
+    raised = []
+
+    def raising(*a, **k):
+        raised.append(1)
+        raise error
+
+    router = installed.router
+    real_fn = router.variant.fn
+    router.variant = dataclasses.replace(router.variant, fn=raising)
+    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    p = make_paged_problem([150, 9], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    poison_workspace(4, p.max_model_len)
+    stock = installed.original(*args).clone()
+    for _ in range(2):
+        aiter_calls.clear()
+        poison_workspace(4, p.max_model_len)
+        out = site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
+        assert compare_in_windows(stock, out, read_window_ends(p.context_lens, 4, 2)).ok(0)
+        assert [a for a, _ in aiter_calls] == ["gluon"]
+    assert raised == [1], "the failed configuration must stay on stock for good"
+    errors = [r.getMessage() for r in plugin_log if r.levelno == logging.ERROR]
+    assert len(errors) == 1
+    assert "heads=64 head_dim=128 KVBlockSize=64 next_n=2" in errors[0]
+    assert f"raised {type(error).__name__}: {error}" in errors[0]
+    # Another configuration still runs FlyDSL.
+    router.variant = dataclasses.replace(router.variant, fn=real_fn)
+    q = make_paged_problem([150, 9], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
+    aiter_calls.clear()
+    qargs = (q.q_fp8, q.kv_cache, q.weights, q.context_lens, q.block_tables, None, q.max_model_len)
+    site(target.rocm_fp8_paged_mqa_logits, qargs, {"compress_ratio": 1})
+    assert [a for a, _ in aiter_calls] == ["flydsl"]
+
+
+# ---------------------------------------------------------------- gaps a mutation run found
+
+
+def test_memoised_route_is_keyed_on_compress_ratio():
+    from test_adapter import Recorder, base_problem, hooks, router_for
+
+    p = base_problem()  # next_n 2, per-row bounds
+    original = Recorder()
+    router = router_for(original, hooks_=hooks())
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    router.call_from(DEFINING_MODULE, *args, compress_ratio=1)
+    assert router.calls_taken == 1
+    assert router.call_from(DEFINING_MODULE, *args, compress_ratio=2) is original.marker
+    assert router.calls_taken == 1 and len(original.calls) == 1
+
+
+def test_pool_limit_is_exclusive_at_2_to_the_31_bytes():
+    q = torch.empty((2, 1, 32, 64), dtype=torch.float8_e4m3fn)
+    w = torch.empty((2, 32), dtype=torch.float32)
+    ctx = torch.empty((2, 1), dtype=torch.int32)
+    bt = torch.empty((2, 4), dtype=torch.int32)
+    per_block = 64 * 128
+    at_limit = torch.empty((2**31 // per_block, 64, 1, 128), dtype=torch.uint8, device="meta")
+    below = torch.empty((2**31 // per_block - 1, 64, 1, 128), dtype=torch.uint8, device="meta")
+    assert at_limit.numel() == 2**31
+    assert "2**31 bytes or more" in kernels.common_violation(q, at_limit, w, ctx, bt)
+    assert kernels.common_violation(q, below, w, ctx, bt) is None
