@@ -306,3 +306,24 @@ def test_pool_limit_is_exclusive_at_2_to_the_31_bytes():
     assert at_limit.numel() == 2**31
     assert "2**31 bytes or more" in kernels.common_violation(q, at_limit, w, ctx, bt)
     assert kernels.common_violation(q, below, w, ctx, bt) is None
+
+
+@pytest.mark.parametrize(
+    "flydsl,dispatcher,name,v32_kvb64",
+    [
+        ("general", False, "general", "FlyDSL"),
+        ("gfx950", False, "gfx950", "stock"),
+        ("general", True, "dispatcher", "aiter's dispatcher"),
+    ],
+)
+def test_doctor_names_the_variant_and_the_shapes_it_takes(aiter_as, flydsl, dispatcher, name, v32_kvb64):
+    from vllm_flydsl_indexer import doctor
+
+    aiter_as(flydsl=flydsl, dispatcher=dispatcher)
+    data = doctor.report({envs.SWITCH: "1"})
+    assert data["kernel"]["variant"] == name
+    v32 = [s for s in data["kernel"]["shapes"] if s["heads"] == 64 and s["kv_block_size"] == 64]
+    assert [s["flydsl"] for s in v32] == [v32_kvb64 != "stock"] * 2
+    text = doctor.render(data)
+    assert f"kernel:   {name}: " in text
+    assert f"DeepSeek-V3.2 64x128              64   1       {v32_kvb64}" in text

@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from vllm_flydsl_indexer import envs, gates
+from vllm_flydsl_indexer.kernels import MODEL_SHAPES, REPORT_BLOCK_SIZES, REPORT_NEXT_NS, KernelVariant
 
 NOT_INSTALLED = "not installed"
 # Distribution names to read versions from, first found wins. aiter's ROCm
@@ -54,6 +55,31 @@ def platform_report() -> dict[str, Any]:
         return {"vllm_platform": f"unavailable ({type(e).__name__}: {e})", "gcn_arch": None}
 
 
+def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
+    """The identified FlyDSL API and which model indexer shapes it would take."""
+    if variant is None:
+        return None
+    takes = {(m, b, n) for m, _, _, b, n in variant.eligible_configs()}
+    return {
+        "variant": variant.name,
+        "description": variant.description,
+        "location": variant.location,
+        "shapes": [
+            {
+                "model": model,
+                "heads": heads,
+                "head_dim": head_dim,
+                "kv_block_size": block_size,
+                "next_n": next_n,
+                "flydsl": (model, block_size, next_n) in takes,
+            }
+            for model, (heads, head_dim) in MODEL_SHAPES.items()
+            for block_size in REPORT_BLOCK_SIZES
+            for next_n in REPORT_NEXT_NS
+        ],
+    }
+
+
 def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
     decision = gates.evaluate(environ, full=True)
     switch = envs.read_flag(envs.SWITCH, environ)
@@ -72,6 +98,7 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
         },
         "verify": envs.read_flag(envs.VERIFY, environ).enabled,
         "gates": [{"name": g.name, "ok": g.ok, "detail": g.detail} for g in decision.gates],
+        "kernel": kernel_report(decision.variant),
         "arm": "flydsl" if decision.active else "stock",
         "reason": decision.reason,
         "log_line": decision.log_line(),
@@ -96,6 +123,18 @@ def render(data: dict[str, Any]) -> str:
             note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
             first_failure_seen = True
         out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
+    kernel = data["kernel"]
+    if kernel is not None:
+        out += ["", f"kernel:   {kernel['variant']}: {kernel['description']} ({kernel['location']})"]
+        out += ["          model shape                       KVB  next_n  arm (when every gate passes)"]
+        for shape in kernel["shapes"]:
+            label = f"{shape['model']} {shape['heads']}x{shape['head_dim']}"
+            arm = "FlyDSL" if shape["flydsl"] else "stock (outside this kernel's contract)"
+            if shape["flydsl"] and kernel["variant"] == "dispatcher":
+                arm = "aiter's dispatcher (its tuned table picks Gluon or FlyDSL)"
+            if shape["flydsl"] and shape["next_n"] > 1:
+                arm += " from audited callers"
+            out.append(f"          {label:<33} {shape['kv_block_size']:<4} {shape['next_n']:<7} {arm}")
     out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
     out += [f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in data["warnings"]]

@@ -205,7 +205,8 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
                 break
 
     if first_failure is not None:
-        return Decision(False, first_failure.detail, gates, verify=verify.enabled, warnings=warnings)
+        variant = lookup.variant if lookup is not None else None
+        return Decision(False, first_failure.detail, gates, variant, verify=verify.enabled, warnings=warnings)
     assert lookup is not None
     return Decision(
         True,
