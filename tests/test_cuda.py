@@ -34,7 +34,7 @@ B, MML, KVB = 8, 4096, 64
 POOL = B * MML // KVB + 16
 
 
-def problem(seed: int, next_n: int = 2):
+def problem(seed: int, next_n: int = 2, heads: int = 64):
     gen = torch.Generator().manual_seed(seed)
     lens = torch.randint(next_n, MML + 1, (B,), generator=gen)
     lens[0] = MML  # fixed shapes for replay
@@ -42,7 +42,7 @@ def problem(seed: int, next_n: int = 2):
     return make_paged_problem(
         lens.tolist(),
         next_n=next_n,
-        heads=64,
+        heads=heads,
         head_dim=128,
         block_size=KVB,
         preshuffle=True,
@@ -249,3 +249,75 @@ def test_bench_runs_end_to_end_on_gpu(tmp_path):
     data = json.loads(path.read_text())
     assert data["meta"]["copy_bw_gbps"] > 100
     assert all(r["status"] == "timed" and r["median_us"] > 0 for r in data["results"])
+
+
+VARIANT_DOUBLES = {
+    "general": ("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits", 64),
+    "gfx950": ("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950", 32),
+    "dispatcher": ("aiter.paged_mqa_logits", 32),
+}
+
+
+def variant_router(name: str, ws: Workspace, monkeypatch):
+    """The router over one kernel API's double (tests/doubles/aiter_flydsl), called as the indexer does."""
+    import importlib
+    import sys
+
+    from vllm_flydsl_indexer import kernels
+
+    module_name, heads = VARIANT_DOUBLES[name]
+    if name == "dispatcher":
+        monkeypatch.setenv("AITER_DOUBLE_DISPATCHER", "1")
+        monkeypatch.delitem(sys.modules, module_name, raising=False)
+    module = importlib.import_module(module_name)
+    fn = module.paged_mqa_logits if name == "dispatcher" else module.flydsl_fp8_paged_mqa_logits
+    variant = kernels.identify(fn, module)
+    assert not isinstance(variant, str) and variant.name == name, variant
+    arms = Arms(False, "doubles", "", gluon_contract_reference, fn, variant)
+    return Routed(patched_call(arms, ws)), heads
+
+
+@pytest.mark.parametrize("name", list(VARIANT_DOUBLES))
+def test_each_variant_runs_without_sync_and_captures(name, monkeypatch):
+    """The no-sync and capture proofs against each API's double.
+
+    The gfx950 double reads ``context_lens.max().item()`` unless the adapter
+    passes SplitKV; sync debug mode turns that into an error.
+    """
+    ws = Workspace(B * 2, MML, torch.device("cuda"))
+    router, heads = variant_router(name, ws, monkeypatch)
+    static = problem(20, heads=heads)
+    static_args = (*args_of(static), None, MML)
+    router(*static_args)  # eager: compile
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            router(*static_args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert router.calls_taken == 4 and router.calls_delegated == 0
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router(*static_args)
+    for seed in (21, 22):
+        fresh = problem(seed, heads=heads)
+        for dst, src in zip(args_of(static), args_of(fresh), strict=True):
+            dst.copy_(src)
+        ws.buffer.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = torch.full((B * 2, MML), float("nan"), device="cuda")
+        fp8_paged_mqa_logits_reference(
+            fresh.q_fp8,
+            fresh.kv_cache,
+            fresh.weights,
+            want,
+            fresh.context_lens,
+            fresh.block_tables,
+            MML,
+            preshuffle=True,
+            contract="flydsl",
+        )
+        result = compare_in_windows(want, out, read_window_ends(fresh.context_lens, B * 2, 2), topk=256)
+        assert result.nan_free and result.ok(0), result.describe()
