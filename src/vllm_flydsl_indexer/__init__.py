@@ -78,7 +78,12 @@ def _register(logger: logging.Logger) -> None:
 
             verifier = make_verifier()
         assert decision.target_module is not None and decision.variant is not None
-        patch.install(decision.target_module, decision.variant, logger, verifier)
+        table = None
+        if decision.variant.name != "dispatcher":  # the dispatcher has its own table
+            from vllm_flydsl_indexer import tuning
+
+            table = tuning.load(tuning.env_source(), tuning.arch_of(decision.gcn_arch or ""), logger)
+        patch.install(decision.target_module, decision.variant, logger, verifier, table)
     line = decision.log_line()
     if decision.warnings:
         logger.warning("%s [%s]", line, "; ".join(decision.warnings))

@@ -60,6 +60,7 @@ import torch
 from vllm_flydsl_indexer import callers
 from vllm_flydsl_indexer._logging import log_once
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
+from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
@@ -170,6 +171,8 @@ class Route:
     config: KernelConfig | None = None
     caller: str | None = None
     kwargs: dict[str, object] = field(default_factory=dict)
+    # Why FlyDSL, when a tuned table decided (for the first-taken log line).
+    note: str = ""
     # Compiled outside capture and announced in the log: the plain fast path applies.
     ready: bool = False
 
@@ -194,8 +197,10 @@ class FlyDSLRouter:
         logger: logging.Logger,
         verifier: Callable[..., str | None] | None = None,
         is_capturing: Callable[[], bool] = _is_capturing,
+        table: TunedTable | None = None,
     ) -> None:
         self.original = original
+        self.table = table
         self.variant = variant
         self.hooks = hooks
         self.logger = logger
@@ -274,8 +279,36 @@ class FlyDSLRouter:
         config = KernelConfig(heads, head_dim, kv_cache.shape[1], next_n)
         if config in self.failed:
             return Route(self.failed[config])
-        kwargs = self.variant.launch_kwargs(batch, kv_cache.shape[1], max_model_len, cu_count(q_fp8.device))
-        return Route(None, config, caller, kwargs)
+        cus = cu_count(q_fp8.device)
+        note = ""
+        if self.table is not None:
+            pick = self._tuned_choice(cus, batch, config)
+            if pick is not None:
+                backend, bucket = pick
+                where = (
+                    f"tuned table {self.table.source}, batch >= {bucket} on {self.table.gfx} with {cus} CUs"
+                )
+                if backend != "flydsl":
+                    return Route(f"{where} measured stock (Gluon) faster for {config.describe()}")
+                note = f"; {where} measured FlyDSL faster"
+        kwargs = self.variant.launch_kwargs(batch, kv_cache.shape[1], max_model_len, cus)
+        return Route(None, config, caller, kwargs, note)
+
+    def _tuned_choice(self, cus: int, batch: int, config: KernelConfig) -> tuple[str, int] | None:
+        """The tuned table's pick for an eligible call; the table is dropped if it has no rows for ``cus``."""
+        assert self.table is not None
+        if cus not in self.table.cu_counts():
+            self.logger.warning(
+                "vllm-flydsl-indexer: tuned table ignored: %s has %s rows for CU count(s) %s, none for this "
+                "GPU's %d CUs",
+                self.table.source,
+                self.table.gfx,
+                sorted(self.table.cu_counts()),
+                cus,
+            )
+            self.table = None
+            return None
+        return self.table.choice(cus, batch, config.next_n, config.heads, config.head_dim, config.block_size)
 
     def _delegate(
         self, reason: str, args: tuple, compress_ratio: int, level: int = logging.INFO
@@ -371,10 +404,11 @@ class FlyDSLRouter:
         log_once(
             self.logger,
             logging.INFO,
-            "vllm-flydsl-indexer: FlyDSL taken for %s (caller %s; %s)",
+            "vllm-flydsl-indexer: FlyDSL taken for %s (caller %s; %s%s)",
             config.describe(),
             route.caller or "unknown",
             self.variant.location,
+            route.note,
         )
 
     def _kernel_failed(

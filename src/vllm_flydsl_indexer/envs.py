@@ -14,7 +14,10 @@ ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
 # Per-process canary: compare both arms on the first eligible call.
 VERIFY = "VLLM_FLYDSL_INDEXER_VERIFY"
 
-ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY)
+# An aiter-format tuned CSV that picks FlyDSL or stock per shape (see tuning.py).
+TUNED_CSV = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
+
+ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY, TUNED_CSV)
 ACCEPTED = ("1", "0", "true", "false")
 
 _TRUE = {"1", "true"}

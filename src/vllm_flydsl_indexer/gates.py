@@ -53,6 +53,8 @@ class Decision:
     target_module: ModuleType | None = None
     verify: bool = False
     warnings: list[str] = field(default_factory=list)
+    # The arch as vLLM reports it (e.g. "gfx950:sramecc+:xnack-"), when ROCm.
+    gcn_arch: str | None = None
 
     def log_line(self) -> str:
         if self.active:
@@ -121,6 +123,16 @@ def signature_problem(fn: object) -> str | None:
     if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or others:
         return f"signature {inspect.signature(fn)} differs from the one this package supports"
     return None
+
+
+def gcn_arch() -> str | None:
+    """vLLM's ROCm arch string, or ``None``; never raises."""
+    try:
+        from vllm.platforms.rocm import _GCN_ARCH
+
+        return str(_GCN_ARCH)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _check_platform() -> tuple[Gate, Gate]:
@@ -216,4 +228,5 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         module,
         verify=verify.enabled,
         warnings=warnings,
+        gcn_arch=gcn_arch(),
     )

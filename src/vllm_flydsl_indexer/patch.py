@@ -38,6 +38,7 @@ import torch
 from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
 from vllm_flydsl_indexer.gates import TARGET_NAME
 from vllm_flydsl_indexer.kernels import KernelVariant
+from vllm_flydsl_indexer.tuning import TunedTable
 
 MARKER = "_vllm_flydsl_indexer"
 
@@ -102,6 +103,7 @@ def install(
     variant: KernelVariant,
     logger: logging.Logger,
     verifier: Callable | None = None,
+    table: TunedTable | None = None,
 ) -> InstalledPatch:
     """Replace every binding of the target with the router. Idempotent."""
     global _installed
@@ -110,7 +112,7 @@ def install(
         assert _installed is not None
         return _installed
     hooks = vllm_stock_hooks(target)
-    router = FlyDSLRouter(current, variant, hooks, logger, verifier=verifier)
+    router = FlyDSLRouter(current, variant, hooks, logger, verifier=verifier, table=table)
     route = router.call_from
     caller_frame = sys._getframe
 

@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The tuned table: aiter's CSV format, aiter's lookup, and what the router does with it."""
+
+from __future__ import annotations
+
+import importlib
+import io
+import logging
+
+import pytest
+import torch
+
+from test_agreement import poison_workspace
+from vllm_flydsl_indexer import envs, patch, tuning
+from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
+from vllm_flydsl_indexer.reference import make_paged_problem
+
+HEADER = ",".join(tuning.COLUMNS)
+
+
+def row(gfx="gfx950", cu=1, batch=4, next_n=1, heads=32, kvb=64, ctx=4096, backend="flydsl"):
+    fields = [
+        gfx,
+        cu,
+        batch,
+        next_n,
+        heads,
+        128,
+        kvb,
+        int(kvb > 1),
+        ctx,
+        backend,
+        256,
+        2,
+        3,
+        10.0,
+        12.0,
+        10.0,
+    ]
+    return ",".join(str(f) for f in fields)
+
+
+def table_text(*rows: str) -> str:
+    return "\n".join([HEADER, *rows]) + "\n"
+
+
+def parse(*rows: str, gfx="gfx950") -> tuning.TunedTable:
+    return tuning.parse(io.StringIO(table_text(*rows)), "t.csv", gfx)
+
+
+def test_lookup_takes_the_largest_tuned_batch_at_or_below_the_call():
+    t = parse(row(batch=4, backend="gluon"), row(batch=16), row(batch=64, backend="gluon"), row(gfx="gfx942"))
+    assert t.rows == 3
+    assert t.choice(1, 3, 1, 32, 128, 64) is None  # below every tuned batch: not covered
+    assert t.choice(1, 4, 1, 32, 128, 64) == ("gluon", 4)
+    assert t.choice(1, 15, 1, 32, 128, 64) == ("gluon", 4)
+    assert t.choice(1, 16, 1, 32, 128, 64) == ("flydsl", 16)
+    assert t.choice(1, 63, 1, 32, 128, 64) == ("flydsl", 16)
+    assert t.choice(1, 500, 1, 32, 128, 64) == ("gluon", 64)
+    # Other shapes and other GPUs are not covered.
+    assert t.choice(1, 16, 2, 32, 128, 64) is None
+    assert t.choice(1, 16, 1, 64, 128, 64) is None
+    assert t.choice(1, 16, 1, 32, 128, 1) is None
+    assert t.choice(256, 16, 1, 32, 128, 64) is None
+
+
+def test_a_bucket_goes_to_flydsl_only_if_every_context_length_says_so():
+    t = parse(row(batch=8, ctx=4096), row(batch=8, ctx=65536, backend="gluon"), row(batch=32, ctx=4096))
+    assert t.choice(1, 8, 1, 32, 128, 64) == ("gluon", 8)
+    assert t.choice(1, 40, 1, 32, 128, 64) == ("flydsl", 32)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (HEADER.replace(",wg_per_cu", "") + "\n", "missing column(s) wg_per_cu"),
+        (table_text(row(), row(batch="x")), "line 3: invalid literal"),
+        (table_text(row(), row(backend="triton")), "line 3: backend 'triton' is not flydsl or gluon"),
+        (table_text(row(batch=0)), "line 2: sizes must be positive"),
+        (table_text(row().replace(",1,4096,", ",maybe,4096,")), "line 2: 'maybe' is not 0/1/true/false"),
+        (HEADER + "\n", "no rows"),
+        (table_text(row(gfx="gfx942")), "no rows for gfx950 (of 1)"),
+    ],
+)
+def test_a_bad_table_is_refused_whole(text, message):
+    with pytest.raises(tuning.TableError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tuning.parse(io.StringIO(text), "t.csv", "gfx950")
+
+
+def test_load_warns_once_and_ignores_a_bad_or_missing_file(tmp_path, plugin_log):
+    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+    bad = tmp_path / "bad.csv"
+    bad.write_text(table_text(row(), row(backend="nope")))
+    assert tuning.load(str(bad), "gfx950", logger) is None
+    assert tuning.load(str(tmp_path / "absent.csv"), "gfx950", logger) is None
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all(
+        w.startswith("vllm-flydsl-indexer: tuned table ignored: ") for w in warnings
+    )
+    assert "line 3" in warnings[0] and "absent.csv" in warnings[1]
+
+
+@pytest.fixture
+def tuned(target, workspace, monkeypatch, fresh_register, plugin_log, tmp_path):
+    """Register with a tuned table of the given rows; returns the installed patch."""
+
+    def install(*rows: str):
+        path = tmp_path / "tuned.csv"
+        path.write_text(table_text(*rows))
+        monkeypatch.setenv(envs.SWITCH, "1")
+        monkeypatch.setenv(envs.TUNED_CSV, str(path))
+        fresh_register()
+        installed = patch.installed()
+        assert installed is not None, [r.getMessage() for r in plugin_log]
+        return installed
+
+    return install
+
+
+def run_batch(target, installed, calls, batch, next_n=1, heads=32) -> list[str]:
+    """Stock and patched on one fresh problem; asserts agreement, returns the patched call's arms."""
+    p = make_paged_problem(
+        torch.randint(next_n, 300, (batch,), generator=torch.Generator().manual_seed(batch)).tolist(),
+        next_n=next_n,
+        heads=heads,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        per_row_bounds=next_n > 1,
+        generator=torch.Generator().manual_seed(7 * batch),
+    )
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    rows = batch * next_n
+    poison_workspace(rows, p.max_model_len)
+    stock = installed.original(*args).clone()
+    poison_workspace(rows, p.max_model_len)
+    calls.clear()
+    out = call_site_in(importlib.import_module(DEFINING_MODULE))(target.rocm_fp8_paged_mqa_logits, args, {})
+    result = compare_in_windows(stock, out, read_window_ends(p.context_lens, rows, next_n), topk=64)
+    assert result.nan_free and result.ok(0), result.describe()
+    return [a for a, _ in calls]
+
+
+def test_the_table_decides_per_batch_bucket(target, tuned, aiter_calls, plugin_log):
+    # This CPU "device" reports 1 CU, so the simulated GPU is (gfx950, 1 CU).
+    installed = tuned(row(batch=4, backend="gluon"), row(batch=8), row(batch=4, next_n=2))
+    expected = {2: "flydsl", 3: "flydsl", 4: "gluon", 7: "gluon", 8: "flydsl", 12: "flydsl"}
+    for batch, arm in expected.items():
+        assert run_batch(target, installed, aiter_calls, batch) == [arm], batch
+    assert run_batch(target, installed, aiter_calls, 2, next_n=2) == ["flydsl"]  # not covered (4 > 2)
+    assert run_batch(target, installed, aiter_calls, 5, next_n=2) == ["flydsl"]  # tuned FlyDSL
+    # Another shape (64 heads) is not covered: the switch's meaning, FlyDSL.
+    assert run_batch(target, installed, aiter_calls, 5, heads=64) == ["flydsl"]
+    messages = [r.getMessage() for r in plugin_log]
+    assert any(
+        "stock path for this call: tuned table" in m and "batch >= 4 on gfx950 with 1 CUs measured stock" in m
+        for m in messages
+    ), messages
+    assert any(
+        "FlyDSL taken for" in m and "batch >= 8" in m and "measured FlyDSL faster" in m for m in messages
+    )
+
+
+def test_a_table_for_another_cu_count_warns_once_and_is_ignored(target, tuned, aiter_calls, plugin_log):
+    installed = tuned(row(cu=256, batch=1, backend="gluon"))
+    for batch in (2, 3):
+        assert run_batch(target, installed, aiter_calls, batch) == ["flydsl"]
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "none for this GPU's 1 CUs" in warnings[0]
+
+
+def test_a_malformed_table_leaves_the_switch_meaning(target, tuned, aiter_calls, plugin_log):
+    installed = tuned(row(batch=1, backend="gluon"), "gfx950,1,2")
+    assert installed.router.table is None
+    assert run_batch(target, installed, aiter_calls, 3) == ["flydsl"]
+    assert sum("tuned table ignored" in r.getMessage() for r in plugin_log) == 1
+
+
+def test_the_table_adds_no_op_to_the_hot_path():
+    """With a table loaded the taken call dispatches exactly the ops it does without one."""
+    from test_adapter import OpAudit, Recorder, as_args, base_problem, hooks, router_for
+
+    p = base_problem(heads=32)
+    ops = {}
+    for name, table in (("none", None), ("tuned", parse(row(batch=1, next_n=2)))):
+        router = router_for(Recorder(), hooks_=hooks(buffer=torch.full((6, p.max_model_len), float("nan"))))
+        router.table = table
+        router.call_from(DEFINING_MODULE, *as_args(p))
+        audit = OpAudit()
+        with audit:
+            router.call_from(DEFINING_MODULE, *as_args(p))
+        assert router.calls_taken == 2
+        ops[name] = [n for n, _ in audit.ops]
+    assert ops["tuned"] == ops["none"]
