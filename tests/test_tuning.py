@@ -193,3 +193,55 @@ def test_the_table_adds_no_op_to_the_hot_path():
         assert router.calls_taken == 2
         ops[name] = [n for n, _ in audit.ops]
     assert ops["tuned"] == ops["none"]
+
+
+TUNE_ARGS = [
+    "--heads",
+    "32",
+    "--block-size",
+    "64,1",
+    "--next-n",
+    "1",
+    "--batch",
+    "1,2",
+    "--repeats",
+    "2",
+    "--warmup",
+    "1",
+]
+
+
+def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsys):
+    from vllm_flydsl_indexer import cli
+
+    path = tmp_path / "tuned.csv"
+    earlier = row(gfx="gfx950", cu=256, batch=64)
+    path.write_text(table_text(earlier, row(gfx="reference", cu=1, batch=1, ctx=1024, backend="gluon")))
+    assert cli.main(["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 4 rows (REFERENCE timings, not kernel timings (gfx=reference))" in out and "kept 1" in out
+    lines = path.read_text().splitlines()
+    assert lines[0] == HEADER and lines[1] == earlier and len(lines) == 6
+    table = tuning.parse(io.StringIO(path.read_text()), str(path), "reference")
+    assert table.rows == 4 and table.cu_counts() == {1}
+    for kvb in (64, 1):
+        for batch in (1, 2):
+            backend, bucket = table.choice(1, batch, 1, 32, 128, kvb)
+            assert bucket == batch and backend in ("flydsl", "gluon")
+    # The gfx950 rows kept from before are untouched; no GPU arch ever matches the reference rows.
+    assert tuning.parse(io.StringIO(path.read_text()), str(path), "gfx950").rows == 1
+
+
+def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsys):
+    from vllm_flydsl_indexer import cli
+
+    path = tmp_path / "tuned.csv"
+    assert cli.main(["bench", "--tune", str(path), "--device", "cpu", *TUNE_ARGS]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels" in err[0]
+    assert not path.exists()
+    foreign = tmp_path / "other.csv"
+    foreign.write_text("a,b\n1,2\n")
+    with pytest.raises(SystemExit, match="not an aiter-format tuned CSV"):
+        cli.main(["bench", "--tune", str(foreign), "--reference", "--device", "cpu", *TUNE_ARGS])
+    assert foreign.read_text() == "a,b\n1,2\n"

@@ -94,6 +94,12 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--plot", dest="plot_path", help="PNG: speedup of each arm over gluon/reference (matplotlib)"
     )
+    p.add_argument(
+        "--tune",
+        dest="tune_path",
+        metavar="OUT.csv",
+        help="time Gluon vs FlyDSL per shape (gfx950) and merge the winners into an aiter-format tuned CSV",
+    )
 
 
 @dataclass
@@ -455,6 +461,10 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
 
 
 def main(args) -> int:
+    if args.tune_path:
+        from vllm_flydsl_indexer import tune
+
+        return tune.main(args)
     results, meta = run(args)
     print(render(results, meta))
     write_outputs(results, meta, args)

@@ -1,0 +1,223 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm-flydsl-indexer bench --tune OUT.csv``: measure Gluon against FlyDSL per shape.
+
+For the models' indexer shapes (both head counts, KVBlockSize 64 with
+preshuffle and 1 without, ``next_n`` 1 and 2) over batch sizes and context
+lengths, both kernels run side by side in one process on the same inputs.
+Each must first pass the agreement rule against the reference; then each is
+timed (device events, median of repeats, input sets rotated) and one row per
+shape is written in aiter's tuned-CSV format (:data:`tuning.COLUMNS`) with the
+winner in ``backend`` and both times. Rows are merged into an existing file:
+a row of the same GPU and shape is replaced, every other row is kept.
+
+Only a gfx950 GPU with both of aiter's kernels gives kernel timings. With
+``--reference`` the same mechanics run on the pure-torch reference contracts
+anywhere; those rows have ``gfx = reference`` so no GPU ever matches them,
+and their times are of the references, not of any kernel.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import os
+import statistics
+import sys
+
+import torch
+
+from vllm_flydsl_indexer import tuning
+from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.arms import Arms, Workspace, detect_arms
+from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, cu_count
+from vllm_flydsl_indexer.reference import (
+    fp8_paged_mqa_logits_reference,
+    make_paged_problem,
+    per_sequence_lens,
+)
+
+REFERENCE_GFX = "reference"
+GLUON_KNOBS = {"ChunkK": 256, "WavePerEU": 2}  # vLLM's own Gluon call
+GPU_GRID = dict(
+    heads=(64, 32),
+    block_size=(64, 1),
+    next_n=(1, 2),
+    batch=(1, 4, 16, 32, 64, 128, 256),
+    context_len=(8192, 32768),
+)
+REFERENCE_GRID = dict(heads=(64, 32), block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,))
+# The row key: a later run replaces a row with the same values of these.
+KEY_COLUMNS = tuning.COLUMNS[:9]
+
+
+def refusal(arms: Arms) -> str | None:
+    """Why this machine cannot produce kernel timings, or ``None``."""
+    if arms.real:
+        return None
+    return (
+        f"bench --tune: needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels ({arms.why}); "
+        "add --reference for a dry run on the reference contracts (rows marked gfx=reference)"
+    )
+
+
+def _time(fn, problems, warmup: int, repeats: int, device: torch.device) -> float:
+    from vllm_flydsl_indexer.bench import Timer
+
+    samples = Timer(device).time_us(lambda i: fn(problems[i % len(problems)]), warmup, repeats)
+    return statistics.median(samples)
+
+
+def _launcher(kernel, workspace: Workspace, **knobs):
+    def run(p):
+        out = workspace.get(p.batch * p.next_n, p.max_model_len)
+        kernel(
+            p.q_fp8,
+            p.kv_cache,
+            p.weights,
+            out,
+            per_sequence_lens(p.context_lens, p.batch),
+            p.block_tables,
+            p.max_model_len,
+            Preshuffle=p.block_size > 1,
+            KVBlockSize=p.block_size,
+            **knobs,
+        )
+        return out
+
+    return run
+
+
+def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str, object]]:
+    grid = REFERENCE_GRID if not arms.real else GPU_GRID
+    pick = {k: getattr(args, k, None) or v for k, v in grid.items()}
+    cus = cu_count(device)
+    repeats = args.repeats or (20 if device.type == "cuda" else 3)
+    n_sets = args.input_sets or (4 if device.type == "cuda" else 2)
+    rows: list[dict[str, object]] = []
+    shapes = list(
+        itertools.product(*(pick[k] for k in ("heads", "block_size", "next_n", "batch", "context_len")))
+    )
+    for idx, (heads, kvb, next_n, batch, ctx) in enumerate(shapes):
+        if batch * -(-ctx // kvb) * kvb * (args.head_dim + 4) >= 2**31:
+            print(
+                f"tune: skipped H{heads} KVB{kvb} n{next_n} B{batch} ctx{ctx}: KV pool >= 2 GiB",
+                file=sys.stderr,
+            )
+            continue
+        gen = torch.Generator().manual_seed(args.seed + idx)
+        problems = [
+            make_paged_problem(
+                [ctx] * batch,
+                next_n=next_n,
+                heads=heads,
+                head_dim=args.head_dim,
+                block_size=kvb,
+                preshuffle=kvb > 1,
+                max_model_len=ctx,
+                spare_blocks=0,
+                generator=gen,
+                device=device,
+            )
+            for _ in range(n_sets)
+        ]
+        workspace = Workspace(batch * next_n, ctx, device)
+        p0 = problems[0]
+        expected = torch.full((batch * next_n, ctx), float("nan"), device=device)
+        fp8_paged_mqa_logits_reference(
+            p0.q_fp8,
+            p0.kv_cache,
+            p0.weights,
+            expected,
+            p0.context_lens,
+            p0.block_tables,
+            ctx,
+            preshuffle=kvb > 1,
+            contract="flydsl",
+        )
+        ends = read_window_ends(p0.context_lens, batch * next_n, next_n)
+        times = {}
+        for backend, kernel, knobs in (("gluon", arms.gluon, GLUON_KNOBS), ("flydsl", arms.flydsl, {})):
+            run = _launcher(kernel, workspace, **knobs)
+            workspace.buffer.fill_(float("nan"))
+            agreement = compare_in_windows(expected, run(p0).clone(), ends, topk=2048)
+            if not agreement.ok(REAL_KERNEL_TOLERANCE if arms.real else 0.0):
+                raise SystemExit(
+                    f"tune: {backend} failed the agreement rule at H{heads} KVB{kvb} n{next_n} "
+                    f"B{batch} ctx{ctx}: {agreement.describe()}"
+                )
+            times[backend] = _time(run, problems, args.warmup, repeats, device)
+        winner = min(times, key=times.get)
+        rows.append(
+            dict(
+                zip(
+                    tuning.COLUMNS,
+                    (
+                        gfx,
+                        cus,
+                        batch,
+                        next_n,
+                        heads,
+                        args.head_dim,
+                        kvb,
+                        int(kvb > 1),
+                        ctx,
+                        winner,
+                        GLUON_KNOBS["ChunkK"],
+                        GLUON_KNOBS["WavePerEU"],
+                        WORKGROUPS_PER_CU,
+                        round(times[winner], 3),
+                        round(times["gluon"], 3),
+                        round(times["flydsl"], 3),
+                    ),
+                    strict=True,
+                )
+            )
+        )
+        print(
+            f"tune: H{heads} KVB{kvb} n{next_n} B{batch} ctx{ctx}: gluon {times['gluon']:.1f} us, "
+            f"flydsl {times['flydsl']:.1f} us -> {winner}",
+            file=sys.stderr,
+        )
+    return rows
+
+
+def existing_rows(path: str) -> list[dict[str, str]]:
+    """The rows already in ``path`` (none if absent); refuses a file that is not aiter's format."""
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        if tuple(reader.fieldnames or ()) != tuning.COLUMNS:
+            raise SystemExit(f"bench --tune: {path} is not an aiter-format tuned CSV; not overwriting it")
+        return list(reader)
+
+
+def merge(path: str, earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> int:
+    """Write ``rows`` into ``path``, replacing earlier rows of the same key and keeping the rest."""
+    new_keys = {tuple(str(r[c]) for c in KEY_COLUMNS) for r in rows}
+    kept = [r for r in earlier if tuple(r[c] for c in KEY_COLUMNS) not in new_keys]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(tuning.COLUMNS))
+        writer.writeheader()
+        writer.writerows(kept)
+        writer.writerows(rows)
+    return len(kept)
+
+
+def main(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    arms = detect_arms(device, force_reference=args.reference)
+    problem = refusal(arms) if not args.reference else None
+    if problem is not None:
+        print(problem, file=sys.stderr)
+        return 2
+    earlier = existing_rows(args.tune_path)  # before any work: never time, then refuse to write
+    if arms.real:
+        gfx = tuning.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
+    else:
+        gfx = REFERENCE_GFX
+    rows = tune_rows(args, arms, device, gfx)
+    kept = merge(args.tune_path, earlier, rows)
+    what = "kernel timings" if arms.real else "REFERENCE timings, not kernel timings (gfx=reference)"
+    print(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, kept {kept} earlier rows")
+    return 0
