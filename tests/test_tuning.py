@@ -245,3 +245,25 @@ def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsy
     with pytest.raises(SystemExit, match="not an aiter-format tuned CSV"):
         cli.main(["bench", "--tune", str(foreign), "--reference", "--device", "cpu", *TUNE_ARGS])
     assert foreign.read_text() == "a,b\n1,2\n"
+
+
+def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
+    from vllm_flydsl_indexer import doctor
+
+    path = tmp_path / "tuned.csv"
+    path.write_text(
+        table_text(row(cu=256, batch=64), row(cu=256, batch=1, backend="gluon"), row(gfx="gfx942"))
+    )
+    data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
+    table = data["tuned_table"]
+    assert table["source"] == str(path) and table["rows"] == 2 and table["gfx"] == "gfx950"
+    (shape,) = table["shapes"]
+    assert shape["buckets"] == [
+        {"batch_at_least": 1, "arm": "stock"},
+        {"batch_at_least": 64, "arm": "flydsl"},
+    ]
+    assert "256 CUs, heads=32 head_dim=128 KVB=64 next_n=1: B>=1: stock, B>=64: flydsl" in doctor.render(data)
+    path.write_text(table_text(row(backend="?")))
+    assert doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})["tuned_table"]["note"].startswith(
+        "IGNORED"
+    )

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import platform
 import sys
 from typing import Any
 
-from vllm_flydsl_indexer import envs, gates
+from vllm_flydsl_indexer import envs, gates, tuning
 from vllm_flydsl_indexer.kernels import MODEL_SHAPES, REPORT_BLOCK_SIZES, REPORT_NEXT_NS, KernelVariant
 
 NOT_INSTALLED = "not installed"
@@ -80,6 +81,29 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
     }
 
 
+def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> dict[str, Any]:
+    """The tuned table the plugin would use here, and what it picks."""
+    if decision.variant is not None and decision.variant.name == "dispatcher":
+        return {"source": None, "note": "aiter's dispatcher decides with its own tuned table"}
+    env = os.environ if environ is None else environ
+    source = tuning.table_source(env.get(envs.TUNED_CSV) or None)
+    if source is None:
+        return {"source": None, "note": f"none ({envs.TUNED_CSV} unset, no table shipped with aiter)"}
+    gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
+    try:
+        with open(source, newline="") as f:
+            table = tuning.parse(f, source, gfx)
+    except (OSError, UnicodeDecodeError, tuning.TableError, ValueError) as e:
+        return {"source": source, "note": f"IGNORED: {e}"}
+    return {
+        "source": source,
+        "gfx": gfx,
+        "rows": table.rows,
+        "shapes": tuning.describe(table),
+        "note": "in use",
+    }
+
+
 def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
     decision = gates.evaluate(environ, full=True)
     switch = envs.read_flag(envs.SWITCH, environ)
@@ -99,6 +123,7 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
         "verify": envs.read_flag(envs.VERIFY, environ).enabled,
         "gates": [{"name": g.name, "ok": g.ok, "detail": g.detail} for g in decision.gates],
         "kernel": kernel_report(decision.variant),
+        "tuned_table": table_report(decision, environ),
         "arm": "flydsl" if decision.active else "stock",
         "reason": decision.reason,
         "log_line": decision.log_line(),
@@ -135,6 +160,23 @@ def render(data: dict[str, Any]) -> str:
             if shape["flydsl"] and shape["next_n"] > 1:
                 arm += " from audited callers"
             out.append(f"          {label:<33} {shape['kv_block_size']:<4} {shape['next_n']:<7} {arm}")
+    table = data["tuned_table"]
+    if table["source"] is None:
+        out += ["", f"tuned table: {table['note']}"]
+    elif "rows" not in table:
+        out += ["", f"tuned table: {table['source']}: {table['note']}"]
+    else:
+        out += [
+            "",
+            f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; "
+            "uncovered shapes: FlyDSL)",
+        ]
+        for shape in table["shapes"]:
+            buckets = ", ".join(f"B>={b['batch_at_least']}: {b['arm']}" for b in shape["buckets"])
+            out.append(
+                f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
+                f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {buckets}"
+            )
     out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
     out += [f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in data["warnings"]]

@@ -185,3 +185,24 @@ def env_source() -> str | None:
     from vllm_flydsl_indexer import envs
 
     return table_source(os.environ.get(envs.TUNED_CSV) or None)
+
+
+def describe(table: TunedTable) -> list[dict[str, object]]:
+    """Per shape and CU count, the arm of each batch bucket (for ``doctor``)."""
+    out = []
+    for (cus, next_n, heads, head_dim, block_size, preshuffle), buckets in sorted(table.shapes.items()):
+        out.append(
+            {
+                "cu_num": cus,
+                "next_n": next_n,
+                "heads": heads,
+                "head_dim": head_dim,
+                "kv_block_size": block_size,
+                "preshuffle": preshuffle,
+                "buckets": [
+                    {"batch_at_least": b, "arm": "flydsl" if backends == {"flydsl"} else "stock"}
+                    for b, backends in sorted(buckets.items())
+                ],
+            }
+        )
+    return out
