@@ -7,7 +7,10 @@ with both kernels replaced by no-ops so only Python host work is timed: the
 stock function's own checks, workspace lookup and argument handling, against
 the plugin's router. Both arms are timed side by side, interleaved, in one run.
 
-    python benchmarks/host_overhead.py [--calls 20000] [--rounds 7] [--json out.json]
+    python benchmarks/host_overhead.py [--calls 20000] [--rounds 7] [--json out.json] [--tuned-csv T.csv]
+
+``--tuned-csv`` loads a tuned table (``VLLM_FLYDSL_INDEXER_TUNED_CSV``) that must
+send the timed shape to FlyDSL, to show the table costs the hot path nothing.
 
 In PIECEWISE graph mode the call runs once per layer per step (61 layers on
 DeepSeek-V3.2), so the per-call difference times 61 is the per-step cost.
@@ -42,6 +45,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
     parser.add_argument("--next-n", type=int, default=2)
     parser.add_argument("--json", dest="json_path")
+    parser.add_argument("--tuned-csv", help="register with this tuned table loaded")
     parser.add_argument(
         "--standalone",
         action="store_true",
@@ -53,6 +57,8 @@ def main() -> int:
         return standalone(args)
 
     setup_simulation()
+    if args.tuned_csv:
+        os.environ["VLLM_FLYDSL_INDEXER_TUNED_CSV"] = args.tuned_csv
     import aiter.ops.triton.pa_mqa_logits as gluon
     import torch
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as target
@@ -72,6 +78,7 @@ def main() -> int:
     installed = patch.installed()
     assert installed is not None, "plugin did not activate under the simulation"
     installed.router.variant = dataclasses.replace(installed.router.variant, fn=noop)
+    assert not args.tuned_csv or installed.router.table is not None, "the tuned table was not loaded"
 
     p = make_paged_problem(
         [4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64, preshuffle=True, spare_blocks=0
@@ -99,6 +106,7 @@ def main() -> int:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "next_n": args.next_n,
+        "tuned_csv": Path(args.tuned_csv).name if args.tuned_csv else None,
         "calls_per_round": args.calls,
         "rounds": args.rounds,
         "stock_us": round(stock, 3),

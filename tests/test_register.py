@@ -35,6 +35,7 @@ def test_active_under_gfx950_simulation_logs_one_line(target, original, installe
     msgs = lines(plugin_log)
     assert len(msgs) == 1
     assert msgs[0].startswith("vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE")
+    assert plugin_log[0].levelno == logging.INFO
     assert "aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits" in msgs[0]
     wrapper = vars(target)[TARGET]
     assert wrapper is not original and wrapper.__wrapped__ is original
@@ -84,6 +85,7 @@ def test_switch_off_patches_nothing(target, original, monkeypatch, fresh_registe
     assert lines(plugin_log) == [
         f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {envs.SWITCH} is not set to 1)"
     ]
+    assert plugin_log[0].levelno == logging.INFO  # nobody asked for FlyDSL
 
 
 @pytest.mark.parametrize("value", ["1", "TRUE", "True", "true"])
@@ -158,6 +160,8 @@ def test_each_failing_gate_leaves_vllm_untouched(target, monkeypatch, fresh_regi
     assert len(msgs) == 1
     assert msgs[0].startswith("vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: ")
     assert reason in msgs[0]
+    # The user asked for FlyDSL: not getting it must show where INFO is dropped.
+    assert plugin_log[0].levelno == logging.WARNING
 
 
 def test_kernel_probe_reports_non_import_errors(monkeypatch):

@@ -5,7 +5,9 @@ vLLM calls :func:`register` (entry point ``vllm.general_plugins:
 flydsl_indexer``) once in every process. It evaluates the gates in
 :mod:`vllm_flydsl_indexer.gates`, installs the patch of
 :mod:`vllm_flydsl_indexer.patch` when all pass, and logs one line saying which
-arm is active and why. It never raises: any failure leaves vLLM as it was.
+arm is active and why: INFO when the switch is off or FlyDSL is active,
+WARNING when the switch is on and FlyDSL is not (the user asked for it). It
+never raises: any failure leaves vLLM as it was.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def _register(logger: logging.Logger) -> None:
         patch.install(decision.target_module, decision.variant, logger, verifier, table)
     line = decision.log_line()
     if decision.warnings:
-        logger.warning("%s [%s]", line, "; ".join(decision.warnings))
-    else:
-        logger.info("%s", line)
+        line = f"{line} [{'; '.join(decision.warnings)}]"
+    # The user asked for FlyDSL: not getting it (or getting it with caveats) is a
+    # WARNING, so it shows even where vLLM has not configured logging at INFO.
+    level = logging.INFO if decision.active and not decision.warnings else logging.WARNING
+    logger.log(level, "%s", line)
