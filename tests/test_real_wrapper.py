@@ -18,7 +18,7 @@ Each configuration runs in a fresh interpreter (``tests/real_wrapper/
 compile_config.py``, which documents what it stubs) with an empty flydsl
 cache. Run with::
 
-    VLLM_FLYDSL_INDEXER_AITER_CHECKOUT=/path/to/aiter python -m pytest -m real_wrapper -rs
+    VLLM_FLYDSL_INDEXER_AITER_CHECKOUT=/path/to/aiter python -m pytest tests/test_real_wrapper.py -rs
 
 It needs flydsl (the version the checkout pins) in this environment and an
 LLVM 19+ ``ld.lld`` (``VLLM_FLYDSL_INDEXER_LD_LLD``, ``$ROCM_PATH/llvm/bin``,
