@@ -10,6 +10,7 @@ plugin loading) run in subprocesses via :func:`run_python`.
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -41,6 +42,26 @@ def simulation_env(*, gfx950: bool = True, aiter: bool = True, rocm: bool = True
     env["VLLM_ROCM_USE_AITER"] = "1"
     env.update(extra)
     return env
+
+
+def import_call_site(name: str):
+    """A caller's module, or ``None`` when this vLLM cannot import it.
+
+    Not every vLLM in the window has every call site (0.32.0 has no DeepSeek-V4.1
+    AMD ops; its GLM-5-next package needs torchvision, absent from CI's 0.32 venv).
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def call_site_or_skip(name: str):
+    """:func:`import_call_site`, skipping the test with the reason when it is absent."""
+    module = import_call_site(name)
+    if module is None:
+        pytest.skip(f"this vLLM cannot import the call-site module {name}")
+    return module
 
 
 def run_python(code: str, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:

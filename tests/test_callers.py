@@ -15,6 +15,7 @@ import logging
 import pytest
 import torch
 
+from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE, call_site_in, multi_row_objection
@@ -60,7 +61,7 @@ def kpool_problem(seed: int, kpool: int = 4):
 def test_glm5next_kpool_mtp_stays_stock_and_every_read_column_matches(
     target, workspace, installed, aiter_calls
 ):
-    module = importlib.import_module(GLM5NEXT)
+    module = call_site_or_skip(GLM5NEXT)
     p = kpool_problem(3)
     bounds = p.context_lens
     assert bool((bounds[:, 0] == bounds[:, 1]).any()), "the case must have equal pooled neighbours"
@@ -113,7 +114,7 @@ def test_audited_native_mtp_is_taken(target, workspace, installed, aiter_calls, 
     stock = installed.original(*args, compress_ratio=1).clone()
     aiter_calls.clear()
     poison_workspace(rows, p.max_model_len)
-    out = call_site_in(importlib.import_module(caller))(
+    out = call_site_in(call_site_or_skip(caller))(
         target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1}
     )
     assert arms(aiter_calls) == ["flydsl"]
