@@ -25,7 +25,11 @@ from vllm_flydsl_indexer._logging import get_logger
 from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
 from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
-from vllm_flydsl_indexer.reference import flydsl_contract_reference, gluon_contract_reference
+from vllm_flydsl_indexer.reference import (
+    flydsl_contract_reference,
+    fp8_paged_mqa_logits_reference,
+    gluon_contract_reference,
+)
 
 GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
 GLUON_NAME = "deepgemm_fp8_paged_mqa_logits"
@@ -102,12 +106,14 @@ def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
 
 
 class Workspace:
-    """Mimics vLLM's workspace: every request is a view from the buffer's start."""
+    """Mimics vLLM's workspace: every request is a view from the buffer's start; it grows on demand."""
 
     def __init__(self, max_rows: int, max_model_len: int, device: torch.device):
         self.buffer = torch.empty(max_rows * max_model_len, dtype=torch.float32, device=device)
 
     def get(self, rows: int, max_model_len: int) -> torch.Tensor:
+        if rows * max_model_len > self.buffer.numel():
+            self.buffer = torch.empty(rows * max_model_len, dtype=torch.float32, device=self.buffer.device)
         return self.buffer[: rows * max_model_len].view(rows, max_model_len)
 
 
@@ -118,8 +124,41 @@ def per_sequence_context_lens(context_lens: torch.Tensor) -> torch.Tensor:
     return context_lens
 
 
+def c4a_block_flat(compress_ratio: int, block_size: int) -> bool:
+    """vLLM 0.33.0 sends C4A (ratio 4, block-flat cache) to its own Triton route on gfx9."""
+    return compress_ratio == 4 and block_size > 1
+
+
+def c4a_route_reference(
+    output_buffer: Callable[[int, int], torch.Tensor],
+    q_fp8,
+    kv_cache_fp8,
+    weights,
+    context_lens,
+    block_tables,
+    max_model_len,
+) -> torch.Tensor:
+    """Stand-in for vLLM's C4A Triton route (block-flat cache) on reference arms: the Gluon contract, no preshuffle."""
+    batch_size, next_n = q_fp8.shape[:2]
+    out = output_buffer(batch_size * next_n, max_model_len)
+    return fp8_paged_mqa_logits_reference(
+        q_fp8,
+        kv_cache_fp8,
+        weights,
+        out,
+        context_lens,
+        block_tables,
+        max_model_len,
+        preshuffle=False,
+        contract="gluon",
+    )
+
+
 def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Tensor]:
-    """vLLM 0.33.0's gfx950 Gluon branch of ``rocm_fp8_paged_mqa_logits``, verbatim in effect."""
+    """The mirror: vLLM 0.33.0's gfx950 branches of ``rocm_fp8_paged_mqa_logits``, verbatim in effect.
+
+    C4A goes to (the reference of) vLLM's Triton route; everything else to Gluon.
+    """
 
     def rocm_fp8_paged_mqa_logits(
         q_fp8,
@@ -134,6 +173,10 @@ def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Ten
     ):
         batch_size, next_n = q_fp8.shape[:2]
         block_size = kv_cache_fp8.shape[1]
+        if c4a_block_flat(compress_ratio, block_size):
+            return c4a_route_reference(
+                workspace.get, q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len
+            )
         out = workspace.get(batch_size * next_n, max_model_len)
         gluon(
             q_fp8,
@@ -153,16 +196,20 @@ def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Ten
     return rocm_fp8_paged_mqa_logits
 
 
-def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None = None) -> FlyDSLRouter:
-    """The plugin's router over the stock call, with hooks mirroring vLLM's."""
-    hooks = StockHooks(
-        stock_uses_gluon=lambda compress_ratio, block_size: not (compress_ratio == 4 and block_size > 1),
+def mirror_hooks(workspace: Workspace) -> StockHooks:
+    """Hooks that mirror what vLLM's are on gfx950 with aiter enabled, DCP 1."""
+    return StockHooks(
+        stock_uses_gluon=lambda compress_ratio, block_size: not c4a_block_flat(compress_ratio, block_size),
         output_buffer=workspace.get,
         per_sequence_lens=per_sequence_context_lens,
         dcp_world_size=lambda: 1,
     )
+
+
+def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None = None) -> FlyDSLRouter:
+    """The plugin's router over the mirror's stock call (tests on machines without vLLM)."""
     return FlyDSLRouter(
-        stock_call(arms.gluon, workspace), arms.flydsl_variant(), hooks, logger or get_logger()
+        stock_call(arms.gluon, workspace), arms.flydsl_variant(), mirror_hooks(workspace), logger or get_logger()
     )
 
 

@@ -1,65 +1,59 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-flydsl-indexer check``: prove the two arms agree on this machine.
 
-Each case builds a synthetic paged problem in vLLM's layout, runs the stock
-call and the plugin's patched call into a NaN-poisoned workspace, and applies
-the agreement rule of :mod:`vllm_flydsl_indexer.agreement` inside the columns
-vLLM's consumers read. Exit status is non-zero on any disagreement.
+Each case (:mod:`vllm_flydsl_indexer.cases`) builds a paged problem in vLLM's
+layout and runs it twice into a NaN-poisoned output buffer: through the stock
+function, and through the patched function as serving installs it, called
+from the case's call site (:mod:`vllm_flydsl_indexer.paths`: vLLM's own
+function where vLLM would run aiter's Gluon here, else the mirror). One router
+serves every case, as one process serves every layer, so a verdict memoised
+wrongly shows. A case passes only when:
+
+* the arm the router took is the one the rules require;
+* the FlyDSL kernel did not raise (the router's exception net would hide it);
+* every column vLLM's consumers read agrees (:mod:`vllm_flydsl_indexer.agreement`);
+* when FlyDSL ran, it wrote exactly the columns that are read.
+
+Exit status is non-zero on any failure.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextlib
+import logging
 import sys
 from dataclasses import dataclass
 
 import torch
 
+from vllm_flydsl_indexer.adapter import FlyDSLRouter
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import (
-    Arms,
-    Workspace,
-    detect_arms,
-    from_defining_module,
-    patched_call,
-    stock_call,
+from vllm_flydsl_indexer.arms import Arms, detect_arms
+from vllm_flydsl_indexer.cases import (
+    BLOCKS,
+    CALLER_LABELS,
+    MODELS,
+    Case,
+    bounds_cases,
+    build_problem,
+    call_args,
+    expected_arm,
+    model_cases,
 )
+from vllm_flydsl_indexer.paths import Paths, build_paths
 from vllm_flydsl_indexer.progress import Progress
-from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.reference import PagedProblem
 
-# Indexer shapes of real models: name -> (heads, head_dim).
-MODELS = {
-    "deepseek-v3.2": (64, 128),
-    "glm-5": (32, 128),  # GLM-5.x and DeepSeek-V4.1
-}
-MODEL_LABELS = {"deepseek-v3.2": "DeepSeek-V3.2", "glm-5": "GLM-5.x/DSV4.1"}
-# (KVBlockSize, Preshuffle): vLLM's production layout, and the plain one.
-BLOCKS = (64, 1)
+__all__ = ["MODELS", "main"]
 
-
-@dataclass
-class Case:
-    model: str
-    heads: int
-    head_dim: int
-    block_size: int
-    next_n: int
-    batch: int
-    context_len: int
-
-    @property
-    def name(self) -> str:
-        shuffle = "preshuffle" if self.block_size > 1 else "plain"
-        return (
-            f"{MODEL_LABELS[self.model]} KVB={self.block_size} {shuffle} next_n={self.next_n} "
-            f"B={self.batch} ctx<={self.context_len}"
-        )
+BOUNDS_CASE_MODEL = "glm-5"
 
 
 @dataclass
 class CaseResult:
     case: Case
-    taken: bool
+    expected: str
+    arm: str
     rows: int
     read_columns: int
     written_columns: int
@@ -67,7 +61,16 @@ class CaseResult:
     mask_equal: bool
     topk_equal: bool
     nan_free: bool
+    kernel_error: str | None
     ok: bool
+
+
+def quiet_logger() -> logging.Logger:
+    """The routers' logger in ``check``: the table reports what they would log."""
+    logger = logging.getLogger("vllm_flydsl_indexer.check.router")
+    logger.propagate = False
+    logger.addHandler(logging.NullHandler())
+    return logger
 
 
 def default_sizes(device: torch.device) -> tuple[int, int]:
@@ -75,59 +78,48 @@ def default_sizes(device: torch.device) -> tuple[int, int]:
     return (32, 32768) if device.type == "cuda" else (4, 2048)
 
 
-def build_cases(models, block_sizes, next_ns, batch, context_len) -> list[Case]:
-    return [
-        Case(m, *MODELS[m], bs, n, batch, context_len)
-        for m, bs, n in itertools.product(models, block_sizes, next_ns)
-    ]
+def build_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> list[Case]:
+    cases = model_cases(models, block_sizes, next_ns, batch, context_len)
+    shape_model = BOUNDS_CASE_MODEL if BOUNDS_CASE_MODEL in models else models[0]
+    return cases + bounds_cases(*MODELS[shape_model], batch, context_len)
 
 
-def sequence_lengths(case: Case, gen: torch.Generator) -> list[int]:
-    """Exact, varied lengths in ``[context_len / 2, context_len]``."""
-    low = max(case.next_n, case.context_len // 2)
-    return torch.randint(low, case.context_len + 1, (case.batch,), generator=gen).tolist()
-
-
-def run_case(case: Case, arms: Arms, device: torch.device, seed: int, topk: int) -> CaseResult:
-    gen = torch.Generator().manual_seed(seed)
-    problem = make_paged_problem(
-        sequence_lengths(case, gen),
-        next_n=case.next_n,
-        heads=case.heads,
-        head_dim=case.head_dim,
-        block_size=case.block_size,
-        preshuffle=case.block_size > 1,
-        max_model_len=case.context_len,
-        generator=gen,
-        device=device,
-    )
+def run_case(
+    case: Case,
+    problem: PagedProblem,
+    paths: Paths,
+    arms: Arms,
+    topk: int,
+    capture_router: FlyDSLRouter,
+) -> CaseResult:
+    router = capture_router if case.capturing else paths.router
+    expected, _ = expected_arm(case, arms.flydsl_variant())
+    args = call_args(problem)
+    kwargs = {"compress_ratio": case.compress_ratio} if case.compress_ratio != 1 else {}
     rows = problem.batch * problem.next_n
-    workspace = Workspace(rows, problem.max_model_len, device)
-    args = (
-        problem.q_fp8,
-        problem.kv_cache,
-        problem.weights,
-        problem.context_lens,
-        problem.block_tables,
-        None,
-        problem.max_model_len,
-    )
-    stock = stock_call(arms.gluon, workspace)
-    patched = patched_call(arms, workspace)
+    poison = paths.output_buffer
 
-    workspace.buffer.fill_(float("nan"))
-    stock_out = stock(*args).clone()
-    workspace.buffer.fill_(float("nan"))
-    patched_out = from_defining_module(patched)(*args).clone()
+    poison(rows, problem.max_model_len).fill_(float("nan"))
+    stock_out = paths.stock(*args, **kwargs).clone()
+
+    taken, failed = router.calls_taken, len(router.failed)
+    poison(rows, problem.max_model_len).fill_(float("nan"))
+    with paths.with_dcp(router, case.dcp) if case.dcp != 1 else contextlib.nullcontext():
+        patched_out = paths.patched_from(case.caller, router)(*args, **kwargs).clone()
+    arm = "FlyDSL" if router.calls_taken > taken else "stock"
+    kernel_error = None
+    if len(router.failed) > failed:
+        kernel_error = next(reversed(router.failed.values()))
 
     ends = read_window_ends(problem.context_lens, rows, problem.next_n)
     agreement = compare_in_windows(stock_out, patched_out, ends, topk)
     tolerance = REAL_KERNEL_TOLERANCE if arms.real else 0.0
     written = int((~torch.isnan(patched_out)).sum())
-    taken = patched.calls_taken == 1
+    exact_writes = arm == "stock" or written == agreement.read_columns
     return CaseResult(
         case,
-        taken,
+        expected,
+        arm,
         rows,
         agreement.read_columns,
         written,
@@ -135,19 +127,36 @@ def run_case(case: Case, arms: Arms, device: torch.device, seed: int, topk: int)
         agreement.mask_equal,
         agreement.topk_equal,
         agreement.nan_free,
-        ok=taken and agreement.ok(tolerance) and written == agreement.read_columns,
+        kernel_error,
+        ok=arm == expected and kernel_error is None and agreement.ok(tolerance) and exact_writes,
     )
 
 
-def render(results: list[CaseResult], arms: Arms, device: torch.device) -> str:
-    header = ("case", "arm", "rows", "read cols", "written", "max rel diff", "-inf mask", "top-k", "result")
+def render(results: list[CaseResult], arms: Arms, paths: Paths, device: torch.device) -> str:
+    header = (
+        "case",
+        "caller",
+        "bounds",
+        "expected",
+        "arm",
+        "rows",
+        "read cols",
+        "written",
+        "max rel diff",
+        "-inf mask",
+        "top-k",
+        "result",
+    )
     body = [
         (
-            r.case.name,
-            "FlyDSL" if r.taken else "stock",
+            r.case.label,
+            CALLER_LABELS.get(r.case.caller, r.case.caller),
+            r.case.bounds,
+            r.expected,
+            r.arm,
             str(r.rows),
             str(r.read_columns),
-            str(r.written_columns),
+            str(r.written_columns) if r.arm == "FlyDSL" else "-",
             f"{r.max_rel_diff:.2e}",
             "identical" if r.mask_equal else "DIFFERENT",
             "identical" if r.topk_equal else "DIFFERENT",
@@ -158,22 +167,26 @@ def render(results: list[CaseResult], arms: Arms, device: torch.device) -> str:
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
 
     def fmt(row):
-        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True))
+        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
 
-    passed = sum(r.ok for r in results)
     lines = [
-        f"arms:   stock = {'aiter Gluon' if arms.real else 'reference Gluon contract'}, "
-        f"patched = plugin adapter -> {'aiter FlyDSL' if arms.real else 'reference FlyDSL contract'}",
-        f"        {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
-        f"device: {device}; rule: identical -inf masks, rel diff "
-        f"{'< 1e-3' if arms.real else '== 0 (exact)'}, identical top-k sets, written == read columns",
+        f"stock:   {paths.label}",
+        "patched: the plugin's router as serving installs it, called from each case's call site",
+        f"kernels: {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
+        f"device:  {device}; rule: the expected arm, identical -inf masks, rel diff "
+        f"{'< 1e-3' if arms.real else '== 0 (exact)'}, identical top-k sets, FlyDSL writes == read columns",
         "",
         fmt(header),
         fmt(tuple("-" * w for w in widths)),
         *[fmt(row) for row in body],
-        "",
-        f"{passed} passed, {len(results) - passed} failed",
     ]
+    for r in results:
+        if r.kernel_error:
+            lines.append(f"FAIL {r.case.label}: the FlyDSL kernel raised: {r.kernel_error}")
+        elif r.arm != r.expected:
+            lines.append(f"FAIL {r.case.label}: took {r.arm}, the rules require {r.expected}")
+    passed = sum(r.ok for r in results)
+    lines += ["", f"{passed} passed, {len(results) - passed} failed"]
     return "\n".join(lines)
 
 
@@ -185,13 +198,20 @@ def main(args) -> int:
     models = list(MODELS) if args.model == "all" else [args.model]
     cases = build_cases(models, args.block_size or BLOCKS, args.next_n or (1, 2), batch, context)
     arms = detect_arms(device, force_reference=args.reference)
-    results = []
-    with Progress(len(cases), "check") as progress:
+    paths = build_paths(arms, device, 2 * batch * max(args.next_n or (2,)), context, quiet_logger())
+    capture_router = paths.make_router(is_capturing=lambda: True)
+    results: list[CaseResult] = []
+    problems: dict[str, PagedProblem] = {}
+    with paths.session(), Progress(len(cases), "check") as progress:
         for i, case in enumerate(cases):
-            progress.step(case.name)
-            results.append(run_case(case, arms, device, args.seed + i, args.topk))
-    print(render(results, arms, device))
+            progress.step(case.label)
+            gen = torch.Generator().manual_seed(args.seed + i)
+            like = problems.get(case.same_shapes_as) if case.same_shapes_as else None
+            problem = build_problem(case, gen, device, like)
+            problems[case.label] = problem
+            results.append(run_case(case, problem, paths, arms, args.topk, capture_router))
+    print(render(results, arms, paths, device))
     if not all(r.ok for r in results):
-        print("check: the arms DISAGREE (see FAIL rows)", file=sys.stderr)
+        print("check: FAILED (see the FAIL rows)", file=sys.stderr)
         return 1
     return 0

@@ -98,6 +98,24 @@ def _bindings(original: Callable) -> list[ModuleType]:
     return found
 
 
+def wrap(original: Callable, router: FlyDSLRouter) -> Callable:
+    """The function that replaces ``original``: the router, told which module called it.
+
+    One ``sys._getframe`` per call, no device work. ``check`` and ``bench`` call
+    this same wrapper from the call sites' modules.
+    """
+    route = router.call_from
+    caller_frame = sys._getframe
+
+    @functools.wraps(original)
+    def rocm_fp8_paged_mqa_logits(*args, **kwargs):
+        return route(caller_frame(1).f_globals.get("__name__"), *args, **kwargs)
+
+    setattr(rocm_fp8_paged_mqa_logits, MARKER, True)
+    rocm_fp8_paged_mqa_logits.router = router  # type: ignore[attr-defined]
+    return rocm_fp8_paged_mqa_logits
+
+
 def install(
     target: ModuleType,
     variant: KernelVariant,
@@ -113,15 +131,7 @@ def install(
         return _installed
     hooks = vllm_stock_hooks(target)
     router = FlyDSLRouter(current, variant, hooks, logger, verifier=verifier, table=table)
-    route = router.call_from
-    caller_frame = sys._getframe
-
-    @functools.wraps(current)
-    def rocm_fp8_paged_mqa_logits(*args, **kwargs):
-        return route(caller_frame(1).f_globals.get("__name__"), *args, **kwargs)
-
-    setattr(rocm_fp8_paged_mqa_logits, MARKER, True)
-    rocm_fp8_paged_mqa_logits.router = router  # type: ignore[attr-defined]
+    rocm_fp8_paged_mqa_logits = wrap(current, router)
     modules = _bindings(current)
     for module in modules:
         setattr(module, TARGET_NAME, rocm_fp8_paged_mqa_logits)

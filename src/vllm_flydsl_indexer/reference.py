@@ -339,6 +339,55 @@ def gluon_contract_reference(
     )
 
 
+FLYDSL_KNOBS = frozenset({"ChunkK", "WavePerEU", "SplitKV", "TotalCuCount", "variant", "stream"})
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def flydsl_contract_violation(
+    q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len, *, KVBlockSize: int
+) -> str | None:
+    """Why the general FlyDSL kernel (aiter PR #4221) would not take these arguments, or ``None``.
+
+    What its wrapper takes: fp8 ``q`` ``(B, next_n, H, D)`` with ``H`` a power of
+    two multiple of 32 and ``D`` a power of two multiple of 64; a contiguous
+    uint8 cache ``(blocks, KVBlockSize, 1, >= D + 4)``; contiguous float32
+    weights ``(B*next_n, H)``; ONE int32 length per sequence (``(B,)`` or
+    ``(B, 1)``); int32 block tables ``(B, max_blocks)``; a float32 output
+    ``(B*next_n, max_model_len)``.
+    """
+    if q_fp8.dim() != 4 or q_fp8.dtype != torch.float8_e4m3fn:
+        return f"q_fp8 must be float8_e4m3fn (B, next_n, H, D), got {q_fp8.dtype} {tuple(q_fp8.shape)}"
+    batch, next_n, heads, head_dim = q_fp8.shape
+    if not (_pow2(heads) and heads % 32 == 0 and _pow2(head_dim) and head_dim % 64 == 0):
+        return f"heads={heads}, head_dim={head_dim}: not powers of two multiple of 32 and 64"
+    if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
+        return f"kv_cache must be uint8 (blocks, KVB, 1, dim), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
+    if kv_cache.shape[1] != KVBlockSize or kv_cache.shape[2] != 1 or kv_cache.shape[3] < head_dim + 4:
+        return f"kv_cache shape {tuple(kv_cache.shape)} does not match KVBlockSize={KVBlockSize}, D={head_dim}"
+    if not kv_cache.is_contiguous():
+        return "kv_cache is not contiguous (the kernel assumes a block stride of KVBlockSize * dim)"
+    if weights.dtype != torch.float32 or tuple(weights.shape) != (batch * next_n, heads):
+        return f"weights must be float32 ({batch * next_n}, {heads}), got {weights.dtype} {tuple(weights.shape)}"
+    if not weights.is_contiguous():
+        return "weights are not contiguous"
+    if context_lens.dtype != torch.int32 or tuple(context_lens.shape) not in ((batch,), (batch, 1)):
+        return (
+            f"context_lens must be one int32 length per sequence ({batch},) or ({batch}, 1), "
+            f"got {context_lens.dtype} {tuple(context_lens.shape)}"
+        )
+    if kv_indices.dtype != torch.int32 or kv_indices.dim() != 2 or kv_indices.shape[0] != batch:
+        return f"block tables must be int32 ({batch}, max_blocks), got {kv_indices.dtype} {tuple(kv_indices.shape)}"
+    if out_logits.dtype != torch.float32 or tuple(out_logits.shape) != (batch * next_n, max_model_len):
+        return (
+            f"out_logits must be float32 ({batch * next_n}, {max_model_len}), "
+            f"got {out_logits.dtype} {tuple(out_logits.shape)}"
+        )
+    return None
+
+
 def flydsl_contract_reference(
     q_fp8,
     kv_cache,
@@ -350,9 +399,22 @@ def flydsl_contract_reference(
     *,
     Preshuffle=False,
     KVBlockSize=1,
-    **_tuning,
+    **knobs,
 ) -> torch.Tensor:
-    """FlyDSL's contract with ``flydsl_fp8_paged_mqa_logits``'s signature (reference, not a kernel)."""
+    """FlyDSL's contract with ``flydsl_fp8_paged_mqa_logits``'s signature (reference, not a kernel).
+
+    Strict: it takes exactly what the general kernel's wrapper takes
+    (:func:`flydsl_contract_violation`) and raises ``ValueError`` otherwise, so a
+    caller that hands it the wrong thing fails instead of being fixed up.
+    """
+    unknown = set(knobs) - FLYDSL_KNOBS
+    if unknown:
+        raise TypeError(f"flydsl_fp8_paged_mqa_logits got unexpected keyword(s) {sorted(unknown)}")
+    problem = flydsl_contract_violation(
+        q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len, KVBlockSize=KVBlockSize
+    )
+    if problem is not None:
+        raise ValueError(f"FlyDSL contract: {problem}")
     return fp8_paged_mqa_logits_reference(
         q_fp8,
         kv_cache,

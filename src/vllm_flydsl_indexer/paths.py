@@ -1,0 +1,230 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The stock path and the patched path that ``check`` and ``bench`` run.
+
+* **vLLM's own function** when vLLM is importable, its target has the supported
+  signature, and vLLM would send the call to aiter's Gluon kernel on gfx950
+  (``_ON_GFX950``, aiter enabled, ``paged_mqa_logits_module()`` found). Stock is
+  the original ``rocm_fp8_paged_mqa_logits`` function object; the patched path
+  is :class:`~vllm_flydsl_indexer.adapter.FlyDSLRouter` with
+  :func:`~vllm_flydsl_indexer.patch.vllm_stock_hooks`, wrapped by
+  :func:`~vllm_flydsl_indexer.patch.wrap` exactly as serving wraps it, and
+  called from the call sites' own modules so the caller rules apply.
+* **The mirror** everywhere else: a copy of vLLM 0.33.0's gfx9 branches
+  (:func:`~vllm_flydsl_indexer.arms.stock_call`) and hooks that mirror vLLM's.
+
+With reference arms (no gfx950 GPU, or ``--reference``), vLLM's own function
+runs with its two kernel lookups (aiter's Gluon module and the C4A Triton
+route) pointed at the reference contracts while :meth:`Paths.session` is open,
+so no real kernel is launched on tensors it cannot take.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import logging
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from vllm_flydsl_indexer import patch
+from vllm_flydsl_indexer._logging import get_logger
+from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
+from vllm_flydsl_indexer.arms import (
+    Arms,
+    Workspace,
+    c4a_route_reference,
+    mirror_hooks,
+    stock_call,
+)
+from vllm_flydsl_indexer.callers import call_site_in
+from vllm_flydsl_indexer.gates import TARGET_MODULE, TARGET_NAME, signature_problem
+from vllm_flydsl_indexer.reference import gluon_contract_reference
+
+
+@dataclass
+class Paths:
+    """Both paths over one output buffer, and how to call the patched one from a caller."""
+
+    stock: Callable[..., torch.Tensor]
+    router: FlyDSLRouter
+    output_buffer: Callable[[int, int], torch.Tensor]
+    uses_vllm: bool
+    label: str
+    make_router: Callable[..., FlyDSLRouter]
+    _session: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    _modules: dict[str, ModuleType] = dataclasses.field(default_factory=dict)
+
+    def session(self) -> contextlib.AbstractContextManager:
+        """Open while running cases: vLLM's workspace and kernel lookups set up, then restored."""
+        return self._session()
+
+    def caller(self, name: str) -> ModuleType:
+        """The caller's module: vLLM's own when this path uses vLLM and it imports, else a stand-in of that name."""
+        module = self._modules.get(name)
+        if module is None:
+            module = None
+            if self.uses_vllm:
+                try:
+                    module = importlib.import_module(name)
+                except Exception:  # noqa: BLE001 - an absent call site gets a stand-in
+                    module = None
+            if module is None:
+                module = types.ModuleType(name)
+            self._modules[name] = module
+        return module
+
+    def patched_from(self, caller: str, router: FlyDSLRouter | None = None) -> Callable[..., torch.Tensor]:
+        """The patched function as code in module ``caller`` calls it."""
+        wrapper = patch.wrap(self.stock, router or self.router)
+        site = call_site_in(self.caller(caller))
+        return lambda *args, **kwargs: site(wrapper, args, kwargs)
+
+    def with_dcp(self, router: FlyDSLRouter, world_size: int) -> contextlib.AbstractContextManager:
+        """``router`` seeing decode context parallel size ``world_size`` (a simulation)."""
+
+        @contextlib.contextmanager
+        def scope() -> Iterator[None]:
+            hooks = router.hooks
+            router.hooks = dataclasses.replace(hooks, dcp_world_size=lambda: world_size)
+            try:
+                yield
+            finally:
+                router.hooks = hooks
+
+        return scope()
+
+
+def vllm_target() -> tuple[ModuleType | None, str]:
+    """vLLM's target module when its stock call would run aiter's Gluon on gfx950, else why not."""
+    try:
+        target = importlib.import_module(TARGET_MODULE)
+    except Exception as e:  # noqa: BLE001 - no vLLM is a reason, not an error
+        return None, f"vLLM unavailable ({type(e).__name__})"
+    fn = vars(target).get(TARGET_NAME)
+    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, patch.MARKER, False) else fn
+    problem = signature_problem(fn)
+    if problem is not None:
+        return None, f"{TARGET_NAME}: {problem}"
+    if not getattr(target, "_ON_GFX950", False):
+        return None, "vLLM does not report gfx950, so its stock call would not run aiter's Gluon kernel"
+    try:
+        from vllm._aiter_ops import rocm_aiter_ops
+
+        enabled = rocm_aiter_ops.is_enabled()
+        module = target.paged_mqa_logits_module() if enabled else None
+    except Exception as e:  # noqa: BLE001
+        return None, f"vLLM's aiter lookup failed ({type(e).__name__}: {e})"
+    if not enabled:
+        return None, "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
+    if module is None:
+        return None, "vLLM finds no aiter Gluon paged-MQA-logits module"
+    return target, "vLLM would run aiter's Gluon kernel here"
+
+
+def _reference_lookups(target: ModuleType) -> contextlib.AbstractContextManager:
+    """Point vLLM's kernel lookups at the reference contracts, for reference arms."""
+    gluon_module = types.SimpleNamespace(
+        __name__="reference Gluon contract", deepgemm_fp8_paged_mqa_logits=gluon_contract_reference
+    )
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        saved = {
+            name: vars(target)[name] for name in ("paged_mqa_logits_module", "rocm_fp8_paged_mqa_logits_triton")
+        }
+        target.paged_mqa_logits_module = lambda: gluon_module
+        target.rocm_fp8_paged_mqa_logits_triton = functools.partial(
+            c4a_route_reference, lambda rows, mml: vllm_output_buffer(target, rows, mml)
+        )
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                setattr(target, name, value)
+
+    return scope()
+
+
+def vllm_output_buffer(target: ModuleType, rows: int, max_model_len: int) -> torch.Tensor:
+    (out,) = target.current_workspace_manager().get_simultaneous(((rows, max_model_len), torch.float32))
+    return out
+
+
+@contextlib.contextmanager
+def _vllm_workspace(device: torch.device) -> Iterator[None]:
+    """vLLM's workspace manager on ``device``, initialised for the session if the process has none.
+
+    Its growth frees the accelerator cache, which a CPU-only torch refuses; on a
+    CPU device without an accelerator that call is a no-op for the session.
+    """
+    from vllm.v1.worker import workspace as ws
+
+    with contextlib.ExitStack() as stack:
+        if device.type == "cpu" and not torch.accelerator.is_available():
+            saved = torch.accelerator.empty_cache
+            torch.accelerator.empty_cache = lambda: None
+            stack.callback(setattr, torch.accelerator, "empty_cache", saved)
+        if not ws.is_workspace_manager_initialized():
+            ws.init_workspace_manager(device)
+            stack.callback(ws.reset_workspace_manager)
+        yield
+
+
+def build_paths(
+    arms: Arms,
+    device: torch.device,
+    max_rows: int,
+    max_model_len: int,
+    logger: logging.Logger | None = None,
+) -> Paths:
+    """vLLM's own paths when vLLM would run Gluon here, else the mirror."""
+    variant = arms.flydsl_variant()
+    logger = logger or get_logger()
+    target, why = vllm_target()
+    if target is not None:
+        original = vars(target)[TARGET_NAME]
+        original = getattr(original, "__wrapped__", original) if getattr(original, patch.MARKER, False) else original
+        hooks = patch.vllm_stock_hooks(target)
+
+        def make_router(hooks: StockHooks = hooks, **kwargs) -> FlyDSLRouter:
+            return FlyDSLRouter(original, variant, hooks, logger, **kwargs)
+
+        @contextlib.contextmanager
+        def session() -> Iterator[None]:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(_vllm_workspace(device))
+                if not arms.real:
+                    stack.enter_context(_reference_lookups(target))
+                yield
+
+        kernels = "aiter's Gluon kernel" if arms.real else "its aiter lookups pointed at the reference contracts"
+        return Paths(
+            stock=original,
+            router=make_router(),
+            output_buffer=hooks.output_buffer,
+            uses_vllm=True,
+            label=f"vLLM's own {TARGET_MODULE}.{TARGET_NAME} ({kernels})",
+            make_router=make_router,
+            _session=session,
+        )
+    workspace = Workspace(max_rows, max_model_len, device)
+    stock = stock_call(arms.gluon, workspace)
+    hooks = mirror_hooks(workspace)
+
+    def make_mirror_router(hooks: StockHooks = hooks, **kwargs) -> FlyDSLRouter:
+        return FlyDSLRouter(stock, variant, hooks, logger, **kwargs)
+
+    return Paths(
+        stock=stock,
+        router=make_mirror_router(),
+        output_buffer=workspace.get,
+        uses_vllm=False,
+        label=f"the mirror of vLLM 0.33.0's gfx950 branches ({why})",
+        make_router=make_mirror_router,
+    )

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``check`` through real vLLM on the gfx950 simulation, and the routing bugs it must catch.
+
+Each mutation plants one routing bug in the adapter's source (the bugs an
+independent mutation run planted), and ``check`` must exit non-zero.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import vllm_flydsl_indexer
+from vllm_flydsl_indexer import adapter
+from vllm_flydsl_indexer import cli as cli_mod
+
+SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
+
+
+def run_check(capsys, argv=SMALL) -> tuple[int, str]:
+    rc = cli_mod.main(list(argv))
+    return rc, capsys.readouterr().out
+
+
+def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace, monkeypatch, capsys):
+    calls = []
+    lookups = (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton)
+    original = target.current_workspace_manager
+    monkeypatch.setattr(target, "current_workspace_manager", lambda: calls.append(1) or original())
+    rc, out = run_check(capsys)
+    assert rc == 0, out
+    assert "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits" in out
+    assert calls, "vLLM's own function (and its workspace) was not used"
+    rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
+    assert len(rows) == 22 and all(r.endswith("PASS") for r in rows)
+    arms = {r.split("  ")[0]: r for r in rows}
+    # Both arms appear, and the rows the rules send to stock say so.
+    assert sum(" FlyDSL    FlyDSL " in r for r in rows) == 14
+    for label in (
+        "DSV4.1 ratio 2 next_n=2 (same shapes)",
+        "DSV4.1 C4A ratio 4 (block-flat)",
+        "GLM-5-next kpool next_n=2",
+        "DCP 2 next_n=2 (simulated)",
+        "strided cache (block-outer layout)",
+        "first call during graph capture",
+        "next_n=2 with (B, 1) bounds",
+    ):
+        assert " stock     stock " in arms[label], arms[label]
+    assert "22 passed, 0 failed" in out
+    # The session pointed vLLM's kernel lookups at the references, then restored them.
+    assert (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton) == lookups
+
+
+# bug -> (the adapter source it replaces, the planted replacement, the case that must FAIL)
+MUTATIONS = {
+    "raw (B, next_n) table to the kernel": (
+        "self.hooks.per_sequence_lens(context_lens),",
+        "context_lens,",
+        "GLM-5.x/DSV4.1 KVB=64 preshuffle next_n=2",
+    ),
+    "next_n > 1 taken with (B, 1) bounds": (
+        "if context_lens.dim() != 2 or context_lens.shape[1] != next_n:",
+        "if False:",
+        "next_n=2 with (B, 1) bounds",
+    ),
+    "no contiguity check": ("if not kv_cache.is_contiguous():", "if False:", "strided cache (block-outer layout)"),
+    "no compress-ratio rule": ("if compress_ratio != 1:", "if False:", "DSV4.1 ratio 2 next_n=2 (same shapes)"),
+    "no DCP rule": ("if dcp_world_size != 1:", "if False:", "DCP 2 next_n=2 (simulated)"),
+    "no capture rule": (
+        "if capturing and config not in self.compiled:",
+        "if False:",
+        "first call during graph capture",
+    ),
+    "no caller rule": (
+        "objection = callers.multi_row_objection(caller)",
+        "objection = None",
+        "GLM-5-next kpool next_n=2",
+    ),
+    "C4A taken (stock_uses_gluon ignored)": (
+        "if not self.hooks.stock_uses_gluon(compress_ratio, kv_cache_fp8.shape[1]):",
+        "if False:",
+        "DSV4.1 C4A ratio 4 (block-flat)",
+    ),
+    "variant limits ignored": (
+        "problem = variant.violation(q_fp8, kv_cache, weights, context_lens, block_tables)",
+        "problem = None",
+        "heads=24 (no kernel takes it)",
+    ),
+    "memo key without compress_ratio": (
+        "            compress_ratio,\n            caller,\n",
+        "            caller,\n",
+        "DSV4.1 ratio 2 next_n=2 (same shapes)",
+    ),
+}
+
+
+def plant(monkeypatch, old: str, new: str) -> None:
+    """Replace the adapter's objects, wherever this package bound them, with a mutated build.
+
+    Every submodule is imported first: one imported later would bind the
+    mutated objects for good.
+    """
+    for info in pkgutil.walk_packages(vllm_flydsl_indexer.__path__, "vllm_flydsl_indexer."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    source = Path(adapter.__file__).read_text()
+    assert source.count(old) == 1, f"the mutation no longer matches the adapter: {old!r}"
+    mutated = types.ModuleType(adapter.__name__)
+    mutated.__file__ = adapter.__file__
+    exec(compile(source.replace(old, new), adapter.__file__, "exec"), vars(mutated))  # noqa: S102
+    originals = {id(v): k for k, v in vars(adapter).items() if not k.startswith("__")}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("vllm_flydsl_indexer"):
+            continue
+        for attr, value in list(vars(module).items()):
+            key = originals.get(id(value))
+            if key is not None and key in vars(mutated) and not isinstance(value, types.ModuleType):
+                monkeypatch.setattr(module, attr, vars(mutated)[key])
+
+
+@pytest.mark.parametrize("bug", MUTATIONS)
+def test_check_catches_planted_routing_bug(bug, target, workspace, monkeypatch, capsys):
+    from vllm_flydsl_indexer import paths
+
+    unmutated = paths.FlyDSLRouter
+    old, new, failing_case = MUTATIONS[bug]
+    plant(monkeypatch, old, new)
+    assert paths.FlyDSLRouter is not unmutated  # planted where check builds its routers
+    rc, out = run_check(capsys)
+    assert rc != 0, f"check passed with the planted bug {bug!r}:\n{out}"
+    assert f"FAIL {failing_case}: " in out, out
+
+
+def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, workspace, target):
+    monkeypatch.setattr(target, "_ON_GFX950", False)
+    rc, out = run_check(capsys)
+    assert rc == 0, out
+    assert "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950" in out
+    assert "22 passed, 0 failed" in out
+
+
+def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspace):
+    from vllm._aiter_ops import rocm_aiter_ops
+
+    monkeypatch.setattr(rocm_aiter_ops, "is_enabled", classmethod(lambda cls: False))
+    rc, out = run_check(capsys)
+    assert rc == 0, out
+    assert "VLLM_ROCM_USE_AITER is not 1" in out
