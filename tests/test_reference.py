@@ -180,3 +180,85 @@ def test_reference_has_no_host_sync_ops(contract):
             contract=contract,
         )
     assert audit.syncs == []
+
+
+# --- the strict FlyDSL reference: it takes exactly what the general kernel's wrapper takes ---
+
+
+def _flydsl_args(heads=32, next_n=2, kvb=16):
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    p = ref.make_paged_problem(
+        [40, 23], next_n=next_n, heads=heads, head_dim=64, block_size=kvb, preshuffle=kvb > 1, generator=gen
+    )
+    out = torch.full((p.batch * p.next_n, p.max_model_len), float("nan"))
+    lens = ref.per_sequence_lens(p.context_lens, p.batch).contiguous()
+    return p, [p.q_fp8, p.kv_cache, p.weights, out, lens, p.block_tables, p.max_model_len]
+
+
+def test_strict_flydsl_reference_takes_per_sequence_lengths_and_writes_the_window():
+    p, args = _flydsl_args()
+    out = ref.flydsl_contract_reference(*args, Preshuffle=True, KVBlockSize=16, ChunkK=128)
+    ends = ref.row_windows(p.context_lens, p.batch, p.next_n)
+    written = ~torch.isnan(out)
+    cols = torch.arange(out.shape[1]).view(1, -1)
+    assert torch.equal(written, cols < ends.view(-1, 1))
+    args[4] = args[4].view(-1, 1)  # (B, 1) is one length per sequence too
+    ref.flydsl_contract_reference(*args, Preshuffle=True, KVBlockSize=16)
+
+
+def _break(name):
+    def apply(args):
+        q, kv, w, out, lens, bt, mml = args
+        if name == "2-D lens":
+            lens = torch.stack([lens - 1, lens], dim=1)
+        elif name == "int64 lens":
+            lens = lens.long()
+        elif name == "strided cache":
+            both = torch.stack([kv, kv], dim=1)
+            kv = both[:, 0]
+        elif name == "wrong KVBlockSize":
+            return [q, kv, w, out, lens, bt, mml], {"KVBlockSize": 1}
+        elif name == "bf16 weights":
+            w = w.bfloat16()
+        elif name == "weights per sequence":
+            w = w[: q.shape[0]]
+        elif name == "short output":
+            out = out[:, :-1]
+        elif name == "int64 block tables":
+            bt = bt.long()
+        return [q, kv, w, out, lens, bt, mml], {}
+
+    return apply
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "2-D lens",
+        "int64 lens",
+        "strided cache",
+        "wrong KVBlockSize",
+        "bf16 weights",
+        "weights per sequence",
+        "short output",
+        "int64 block tables",
+    ],
+)
+def test_strict_flydsl_reference_raises_on_what_the_wrapper_rejects(bad):
+    _, args = _flydsl_args()
+    args, override = _break(bad)(args)
+    with pytest.raises(ValueError, match="FlyDSL contract"):
+        ref.flydsl_contract_reference(*args, **{"Preshuffle": True, "KVBlockSize": 16, **override})
+
+
+@pytest.mark.parametrize("heads", [24, 16])
+def test_strict_flydsl_reference_rejects_heads_the_general_kernel_does_not_take(heads):
+    _, args = _flydsl_args(heads=heads)
+    with pytest.raises(ValueError, match="heads="):
+        ref.flydsl_contract_reference(*args, Preshuffle=True, KVBlockSize=16)
+
+
+def test_strict_flydsl_reference_rejects_unknown_keywords():
+    _, args = _flydsl_args()
+    with pytest.raises(TypeError, match="NextN"):
+        ref.flydsl_contract_reference(*args, Preshuffle=True, KVBlockSize=16, NextN=2)
