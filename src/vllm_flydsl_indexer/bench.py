@@ -4,8 +4,10 @@
 Arms (every one available here):
 
 * ``gluon`` and ``flydsl``: aiter's kernels, called directly (gfx950 only);
-* ``stock-call`` and ``patched-call``: vLLM's stock gfx950 call and the
-  plugin's patched call, end to end (adapter included);
+* ``stock-call`` and ``patched-call``: the stock function and the patched
+  function exactly as ``check`` runs them (:mod:`vllm_flydsl_indexer.paths`:
+  vLLM's own function where vLLM would run aiter's Gluon here, else the
+  mirror), end to end, both called from the defining module's call site;
 * ``reference``: the pure-torch reference, always. Where the real kernels are
   absent, the two calls run over the reference contracts and say so.
 
@@ -32,14 +34,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import (
-    Arms,
-    Workspace,
-    detect_arms,
-    from_defining_module,
-    patched_call,
-    stock_call,
-)
+from vllm_flydsl_indexer.arms import Arms, detect_arms
+from vllm_flydsl_indexer.cases import INDEXER, call_args
+from vllm_flydsl_indexer.check import quiet_logger
+from vllm_flydsl_indexer.paths import Paths, build_paths
 from vllm_flydsl_indexer.progress import Progress
 from vllm_flydsl_indexer.reference import (
     PagedProblem,
@@ -211,18 +209,19 @@ def build_problem(shape: Shape, args, gen: torch.Generator, device: torch.device
     return problem
 
 
-def arm_callables(arms: Arms, workspace: Workspace) -> dict[str, tuple[bool, Callable]]:
-    """name -> (is a real kernel, fn(problem) -> logits)."""
+def arm_callables(arms: Arms, paths: Paths) -> dict[str, tuple[bool, Callable]]:
+    """name -> (is a real kernel, fn(problem) -> logits), all writing the paths' output buffer."""
+    output_buffer = paths.output_buffer
 
     def raw(kernel, **kw):
         def run(p: PagedProblem):
-            out = workspace.get(p.batch * p.next_n, p.max_model_len)
+            out = output_buffer(p.batch * p.next_n, p.max_model_len)
             kernel(
                 p.q_fp8,
                 p.kv_cache,
                 p.weights,
                 out,
-                per_sequence_lens(p.context_lens, p.batch),
+                per_sequence_lens(p.context_lens, p.batch).contiguous(),
                 p.block_tables,
                 p.max_model_len,
                 Preshuffle=p.block_size > 1,
@@ -234,12 +233,10 @@ def arm_callables(arms: Arms, workspace: Workspace) -> dict[str, tuple[bool, Cal
         return run
 
     def call(fn):
-        return lambda p: fn(
-            p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len
-        )
+        return lambda p: fn(*call_args(p))
 
     def reference(p: PagedProblem):
-        out = workspace.get(p.batch * p.next_n, p.max_model_len)
+        out = output_buffer(p.batch * p.next_n, p.max_model_len)
         return fp8_paged_mqa_logits_reference(
             p.q_fp8,
             p.kv_cache,
@@ -257,18 +254,18 @@ def arm_callables(arms: Arms, workspace: Workspace) -> dict[str, tuple[bool, Cal
     if arms.real:
         found["gluon"] = (True, raw(arms.gluon, ChunkK=256, WavePerEU=2))
         found["flydsl"] = (True, raw(arms.flydsl))
-    found["stock-call" + suffix] = (arms.real, call(stock_call(arms.gluon, workspace)))
-    found["patched-call" + suffix] = (arms.real, call(from_defining_module(patched_call(arms, workspace))))
+    # Both calls go through the same call site (the defining module's indexer),
+    # so they pay the same Python call overhead.
+    found["stock-call" + suffix] = (arms.real, call(paths.stock_from(INDEXER)))
+    found["patched-call" + suffix] = (arms.real, call(paths.patched_from(INDEXER)))
     found["reference"] = (False, reference)
     return found
 
 
-def gate(
-    fn: Callable, baseline: torch.Tensor, problem: PagedProblem, workspace: Workspace, real: bool
-) -> str | None:
-    workspace.buffer.fill_(float("nan"))
-    out = fn(problem).clone()
+def gate(fn: Callable, baseline: torch.Tensor, problem: PagedProblem, paths: Paths, real: bool) -> str | None:
     rows = problem.batch * problem.next_n
+    paths.output_buffer(rows, problem.max_model_len).fill_(float("nan"))
+    out = fn(problem).clone()
     ends = read_window_ends(problem.context_lens, rows, problem.next_n)
     result = compare_in_windows(baseline, out, ends, topk=2048)
     return None if result.ok(REAL_KERNEL_TOLERANCE if real else 1e-5) else result.describe()
@@ -295,7 +292,14 @@ def run(args) -> tuple[list[ArmResult], dict]:
     results: list[ArmResult] = []
     shapes = shapes_from(args, device)
     wanted = set(args.arms.split(",")) if args.arms else None
-    with Progress(len(shapes), "bench") as progress:
+    paths = build_paths(
+        arms,
+        device,
+        max(s.batch * s.next_n for s in shapes),
+        max(s.context_len for s in shapes),
+        quiet_logger(),
+    )
+    with paths.session(), Progress(len(shapes), "bench") as progress:
         for idx, shape in enumerate(shapes):
             progress.step(shape.label)
             if shape.pool_bytes() >= POOL_LIMIT_BYTES and not args.pool_blocks:
@@ -305,14 +309,14 @@ def run(args) -> tuple[list[ArmResult], dict]:
                 continue
             gen = torch.Generator().manual_seed(args.seed + idx)
             problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
-            workspace = Workspace(shape.batch * shape.next_n, shape.context_len, device)
             p0 = problems[0]
-            workspace.buffer.fill_(float("nan"))
+            out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
+            out.fill_(float("nan"))
             baseline = fp8_paged_mqa_logits_reference(
                 p0.q_fp8,
                 p0.kv_cache,
                 p0.weights,
-                workspace.get(p0.batch * p0.next_n, p0.max_model_len),
+                out,
                 p0.context_lens,
                 p0.block_tables,
                 p0.max_model_len,
@@ -321,13 +325,13 @@ def run(args) -> tuple[list[ArmResult], dict]:
             ).clone()
             nbytes, flops = traffic(p0)
             kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
-            for name, (real, fn) in arm_callables(arms, workspace).items():
+            for name, (real, fn) in arm_callables(arms, paths).items():
                 if wanted and name not in wanted:
                     continue
                 r = ArmResult(
                     asdict(shape), name, real, "timed", kv_mb=kv_mb, gbytes=nbytes / 1e9, gflops=flops / 1e9
                 )
-                problem_ = gate(fn, baseline, p0, workspace, real)
+                problem_ = gate(fn, baseline, p0, paths, real)
                 if problem_ is not None:
                     r.status = f"FAILED-GATE: {problem_}"
                     results.append(r)
@@ -344,6 +348,7 @@ def run(args) -> tuple[list[ArmResult], dict]:
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "arms": arms.label,
+        "stock": paths.label,
         "arms_why": arms.why,
         "repeats": repeats,
         "input_sets": n_sets,
@@ -408,6 +413,7 @@ def render(results: list[ArmResult], meta: dict) -> str:
     head = [
         f"device: {meta['device']}  arms: {meta['arms']}"
         + (f" [{meta['arms_why']}]" if meta["arms_why"] else ""),
+        f"stock: {meta['stock']}",
         f"repeats: {meta['repeats']}  input sets rotated: {meta['input_sets']}  measured copy bw: {copy}",
         "x base = median speedup over gluon where present, else over the reference",
         "",

@@ -185,6 +185,15 @@ def render(results: list[CaseResult], arms: Arms, paths: Paths, device: torch.de
             lines.append(f"FAIL {r.case.label}: the FlyDSL kernel raised: {r.kernel_error}")
         elif r.arm != r.expected:
             lines.append(f"FAIL {r.case.label}: took {r.arm}, the rules require {r.expected}")
+        elif not r.ok:
+            problems = [
+                "max rel diff above the rule" if r.max_rel_diff else "",
+                "" if r.mask_equal else "-inf masks differ",
+                "" if r.topk_equal else "top-k sets differ",
+                "" if r.nan_free else "NaN (unwritten) values read",
+                "" if r.arm == "stock" or r.written_columns == r.read_columns else "written != read columns",
+            ]
+            lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
     passed = sum(r.ok for r in results)
     lines += ["", f"{passed} passed, {len(results) - passed} failed"]
     return "\n".join(lines)

@@ -79,6 +79,12 @@ class Paths:
             self._modules[name] = module
         return module
 
+    def stock_from(self, caller: str) -> Callable[..., torch.Tensor]:
+        """The stock function as code in module ``caller`` calls it (the same call overhead as patched)."""
+        site = call_site_in(self.caller(caller))
+        stock = self.stock
+        return lambda *args, **kwargs: site(stock, args, kwargs)
+
     def patched_from(self, caller: str, router: FlyDSLRouter | None = None) -> Callable[..., torch.Tensor]:
         """The patched function as code in module ``caller`` calls it."""
         wrapper = patch.wrap(self.stock, router or self.router)
