@@ -4,8 +4,9 @@
 The doubles model each API's contract as aiter's public source states it
 (``tests/doubles/aiter_flydsl``): the general PR #4221 kernel, the
 gfx950-specialised kernel (which raises ValueError outside its shapes and
-reads ``context_lens.max().item()`` when SplitKV is left automatic), the tuned
-dispatcher, an aiter without any, and one whose import raises.
+reads ``context_lens.max().item()`` when SplitKV is left automatic), its
+revision that takes q padded to ``MAX_NN`` rows, the tuned dispatcher, an aiter
+without any, and one whose import raises.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ DOUBLE_MODULES = (
     "aiter.ops.flydsl.kernels.mqa_logits",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q",
     "aiter.paged_mqa_logits",
 )
 SYNC_OPS = {"aiter::_local_scalar_dense", "aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
@@ -94,7 +96,8 @@ def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
     assert variant.limits.heads == {32} and variant.limits.head_dims == {128}
     assert variant.limits.block_sizes == {64} and variant.limits.index_dim == 132
     assert variant.limits.max_next_n == 8 and variant.limits.preshuffle_required
-    # An earlier revision: heads 32 or 64, next_n 1..2.
+    # Other constants are read as they are (aiter's heads 32/64, next_n 1..2 revision has no
+    # next_n_lens and no MAX_NN, so it is refused: see test_unknown_api_shapes_are_refused).
     monkeypatch.setattr(module, "NUM_HEADS", (32, 64))
     monkeypatch.setattr(module, "MAX_NN", 2)
     early = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
@@ -121,9 +124,87 @@ def test_unknown_api_shapes_are_refused():
     ):
         return out
 
+    # aiter's first gfx950 wrapper (a helper module's era): no Preshuffle keyword.
+    def first_gfx950(
+        q, kv, w, out, ctx, bt, mml, *, KVBlockSize=64, SplitKV=None, TotalCuCount=None, stream=None
+    ):
+        return out
+
+    # The heads 32/64, next_n 1..2 revision: Preshuffle but no next_n_lens (SUPPORTED_HEADS, no MAX_NN).
+    def heads_32_64_gfx950(
+        q,
+        kv,
+        w,
+        out,
+        ctx,
+        bt,
+        mml,
+        *,
+        Preshuffle=True,
+        KVBlockSize=64,
+        SplitKV=None,
+        TotalCuCount=None,
+        stream=None,
+    ):
+        return out
+
     assert "unknown shape" in kernels.identify(no_knobs, None)
     assert "lacks keyword-only Preshuffle, KVBlockSize" in kernels.identify(positional_knobs, None)
     assert "without a keyword-only SplitKV" in kernels.identify(gfx950_without_split, None)
+    assert "lacks keyword-only Preshuffle" in kernels.identify(first_gfx950, None)
+    assert "like an early gfx950 kernel for heads 32/64" in kernels.identify(heads_32_64_gfx950, None)
+
+
+def padded_q_module():
+    return importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q")
+
+
+GFX950_CONSTANTS = ("NUM_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM", "MAX_NN")
+
+
+def test_padded_q_gfx950_revision_is_told_apart_by_its_source_alone():
+    import inspect
+
+    nn, padded = gfx950_module(), padded_q_module()
+    # What the lookup used to go by is identical in both revisions ...
+    assert inspect.signature(nn.flydsl_fp8_paged_mqa_logits) == inspect.signature(
+        padded.flydsl_fp8_paged_mqa_logits
+    )
+    assert [getattr(nn, c) for c in GFX950_CONSTANTS] == [getattr(padded, c) for c in GFX950_CONSTANTS]
+    # ... only the wrapper's check of q.shape[1] against MAX_NN differs.
+    assert kernels.gfx950_q_contract(nn.flydsl_fp8_paged_mqa_logits) == kernels.Q_NEXT_N
+    assert kernels.gfx950_q_contract(padded.flydsl_fp8_paged_mqa_logits) == kernels.Q_PADDED
+    assert kernels.identify(nn.flydsl_fp8_paged_mqa_logits, nn).name == "gfx950"
+    reason = kernels.identify(padded.flydsl_fp8_paged_mqa_logits, padded)
+    assert isinstance(reason, str)
+    assert "takes q padded to next_n 8" in reason and "not supported, stock path kept" in reason
+
+
+def test_gfx950_api_whose_source_cannot_be_read_keeps_stock():
+    """Same signature and constants, no source (exec'd): cannot tell the q contract, so stock."""
+    constants = types.ModuleType("gfx950_without_source_double")
+    for name in GFX950_CONSTANTS:
+        setattr(constants, name, getattr(gfx950_module(), name))
+    namespace = {"__name__": "gfx950_without_source_double_not_importable"}
+    exec(  # noqa: S102 - a function with no retrievable source, on purpose
+        "def flydsl_fp8_paged_mqa_logits(q, kv, w, out, ctx, bt, mml, *, next_n_lens=None,\n"
+        "        Preshuffle=True, KVBlockSize=64, SplitKV=None, TotalCuCount=None, stream=None):\n"
+        "    return out\n",
+        namespace,
+    )
+    fn = namespace["flydsl_fp8_paged_mqa_logits"]
+    assert kernels.gfx950_q_contract(fn).startswith("source unreadable")
+    reason = kernels.identify(fn, constants)
+    assert "q contract cannot be read from its source" in reason
+
+    # A wrapper that checks q.shape[1] neither way is not guessed at either.
+    def unchecked(
+        q, kv, w, out, ctx, bt, mml, *, next_n_lens=None, Preshuffle=True, KVBlockSize=64, SplitKV=None
+    ):
+        b, n, h, d = q.shape
+        return out
+
+    assert kernels.gfx950_q_contract(unchecked).startswith("neither of a range check and an equality check")
 
 
 def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
@@ -141,6 +222,8 @@ def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
         ("gfx950", False, "gfx950"),
         ("general", True, "dispatcher"),
         ("gfx950", True, "dispatcher"),
+        ("gfx950-padded-q", False, None),
+        ("gfx950-padded-q", True, "dispatcher"),
         ("none", False, None),
         ("broken-import", False, None),
     ],
@@ -151,6 +234,8 @@ def test_find_kernel_in_each_aiter_situation(aiter_as, flydsl, dispatcher, expec
     assert (lookup.variant.name if lookup.variant else None) == expected, lookup.reason
     if flydsl == "broken-import":
         assert "RuntimeError: double: flydsl version does not match this aiter" in lookup.reason
+    if flydsl == "gfx950-padded-q" and expected is None:
+        assert lookup.reason.count("takes q padded to next_n 8") == 1, lookup.reason
     if expected is None:
         assert "no tuned paged MQA logits dispatcher" in lookup.reason
         assert "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits:" in lookup.reason
@@ -347,3 +432,35 @@ def test_doctor_names_the_variant_and_the_shapes_it_takes(aiter_as, flydsl, disp
     text = doctor.render(data)
     assert f"kernel:   {name}: " in text
     assert f"DeepSeek-V3.2 64x128              64   1       {v32_kvb64}" in text
+
+
+def test_padded_q_gfx950_revision_keeps_stock_with_one_warning_and_no_call(
+    target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls
+):
+    from vllm_flydsl_indexer import doctor
+
+    aiter_as(flydsl="gfx950-padded-q")
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    assert patch.installed() is None
+    lines = [r for r in plugin_log if r.levelno >= logging.WARNING]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    assert "FlyDSL inactive: aiter has no usable FlyDSL kernel" in lines[0].getMessage()
+    assert "takes q padded to next_n 8" in lines[0].getMessage()
+    # doctor shows the same reason on the kernel gate.
+    data = doctor.report({envs.SWITCH: "1"})
+    assert data["arm"] == "stock" and data["kernel"] is None
+    (gate,) = [g for g in data["gates"] if g["name"] == "kernel"]
+    assert not gate["ok"] and "takes q padded to next_n 8" in gate["detail"]
+    assert "not supported, stock path kept" in doctor.render(data)
+    # The shapes the gfx950 kernel would take go to stock; nothing calls the padded kernel.
+    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    for next_n in (1, 2):
+        p = make_paged_problem(
+            [150, 9, 77], next_n=next_n, heads=32, head_dim=128, block_size=64, preshuffle=True
+        )
+        args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+        aiter_calls.clear()
+        site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
+        assert [a for a, _ in aiter_calls] == ["gluon"]
+    assert not [r for r in plugin_log if r.levelno >= logging.ERROR]

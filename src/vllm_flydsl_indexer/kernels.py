@@ -15,7 +15,12 @@ found from signatures and module constants, never from the name alone:
   to ``MAX_NN``; keyword-only ``next_n_lens``, no ``ChunkK``. Its automatic
   SplitKV reads ``context_lens.max().item()``, a host sync that breaks graph
   capture, so the launch always passes an explicit ``SplitKV`` computed from
-  shapes as aiter's dispatcher does.
+  shapes as aiter's dispatcher does. One revision (e.g. aiter f5b390371d) has
+  the same signature and constants but takes q padded to ``(B, MAX_NN, H, D)``
+  and writes row ``b*MAX_NN + i``; only the wrapper's source tells them apart
+  (:func:`gfx950_q_contract`). That one is refused with its reason: feeding it
+  would need padded copies of q and weights and a ``B*MAX_NN``-row output
+  outside vLLM's workspace, an extra pass on every call.
 * ``general``: aiter PR #4221's kernel: heads and head_dim powers of two
   (multiples of 32 and 64), KVBlockSize 1 or a multiple of 16; keyword-only
   ``ChunkK``, ``WavePerEU``, ``variant``. Launched with KVBlockSize and
@@ -29,9 +34,11 @@ and records it. Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import ast
 import functools
 import importlib
 import inspect
+import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -292,19 +299,106 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
         (index_dim,) = constants["INDEX_DIM"] if len(constants["INDEX_DIM"]) == 1 else (None,)
         if index_dim is None or len(constants["MAX_NN"]) != 1:
             return "gfx950-style API with ambiguous INDEX_DIM or MAX_NN"
+        max_nn = next(iter(constants["MAX_NN"]))
+        q_contract = gfx950_q_contract(fn)
+        if q_contract == Q_PADDED:
+            return (
+                f"gfx950 kernel that takes q padded to next_n {max_nn} (q (B, {max_nn}, H, D), "
+                f"weights (B*{max_nn}, H), output row b*{max_nn}+i; aiter revisions like f5b390371d): "
+                "not supported, stock path kept"
+            )
+        if q_contract != Q_NEXT_N:
+            return f"gfx950-style API whose q contract cannot be read from its source ({q_contract})"
         limits = Limits(
             heads=constants["NUM_HEADS"],
             head_dims=constants["HEAD_DIM"],
             block_sizes=constants["KV_BLOCK_SIZE"],
             index_dim=index_dim,
-            max_next_n=next(iter(constants["MAX_NN"])),
+            max_next_n=max_nn,
             preshuffle_required=True,
             q_contiguous=True,
         )
         return KernelVariant("gfx950", fn, location, limits, "gfx950-specialised FlyDSL kernel")
     if general_knobs <= set(params) and "next_n_lens" not in params:
         return KernelVariant("general", fn, location, Limits(), "general FlyDSL kernel (aiter PR #4221)")
+    if "next_n_lens" not in params and not general_knobs & set(params):
+        return (
+            "an API of an unknown shape (no next_n_lens and no ChunkK/WavePerEU/variant, "
+            "like an early gfx950 kernel for heads 32/64 and next_n 1..2)"
+        )
     return "an API of an unknown shape (neither the PR #4221 kernel nor the gfx950 kernel)"
+
+
+Q_NEXT_N = "next_n"
+Q_PADDED = "padded"
+
+
+def _is_name(node: ast.AST, name: str) -> bool:
+    return isinstance(node, ast.Name) and node.id == name
+
+
+def _paired(left: ast.AST, right: ast.AST, a: str, b: str) -> bool:
+    """``a == b`` or ``(.., a, ..) == (.., b, ..)`` at the same position, either side."""
+    if (_is_name(left, a) and _is_name(right, b)) or (_is_name(left, b) and _is_name(right, a)):
+        return True
+    if isinstance(left, ast.Tuple) and isinstance(right, ast.Tuple) and len(left.elts) == len(right.elts):
+        return any(_paired(x, y, a, b) for x, y in zip(left.elts, right.elts, strict=True))
+    return False
+
+
+def gfx950_q_contract(fn: Callable) -> str:
+    """How a gfx950 wrapper checks q's second dimension, read from its source.
+
+    ``Q_NEXT_N``: q is ``(B, next_n, H, D)`` and the wrapper range-checks that
+    dimension against ``MAX_NN`` (``1 <= next_n <= MAX_NN``). ``Q_PADDED``: the
+    wrapper requires it to equal ``MAX_NN`` (``(max_nn, ...) != (MAX_NN, ...)``),
+    i.e. q padded to ``MAX_NN`` rows. Anything else (no source, no unpacking of
+    ``q.shape``, both checks or neither) is returned as a reason string, which
+    the caller treats as "cannot tell": stock.
+    """
+    try:
+        return _q_contract_in(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
+        return f"source unreadable: {type(e).__name__}: {e}"
+
+
+def _q_contract_in(tree: ast.Module) -> str:
+    func = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
+    if func is None:
+        return "no function definition in its source"
+    positional = [*func.args.posonlyargs, *func.args.args]
+    if not positional:
+        return "no positional q parameter"
+    q_name = positional[0].arg
+    rows_names = {
+        target.elts[1].id
+        for node in ast.walk(func)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "shape"
+        and _is_name(node.value.value, q_name)
+        for target in node.targets
+        if isinstance(target, ast.Tuple) and len(target.elts) == 4 and isinstance(target.elts[1], ast.Name)
+    }
+    if len(rows_names) != 1:
+        return f"no single 4-way unpacking of {q_name}.shape"
+    (rows,) = rows_names
+    ranged = padded = False
+    for node in ast.walk(func):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, operands[:-1], operands[1:], strict=True):
+            if isinstance(op, (ast.Lt, ast.LtE)) and _is_name(left, rows) and _is_name(right, "MAX_NN"):
+                ranged = True
+            elif isinstance(op, (ast.Gt, ast.GtE)) and _is_name(left, "MAX_NN") and _is_name(right, rows):
+                ranged = True
+            elif isinstance(op, (ast.Eq, ast.NotEq)) and _paired(left, right, rows, "MAX_NN"):
+                padded = True
+    if ranged == padded:
+        found = "both" if ranged else "neither"
+        return f"{found} of a range check and an equality check of {q_name}.shape[1] against MAX_NN"
+    return Q_PADDED if padded else Q_NEXT_N
 
 
 def _defining_module(fn: Callable, fallback: ModuleType | None) -> ModuleType | None:
@@ -371,6 +465,7 @@ def find_kernel() -> KernelLookup:
         if isinstance(found, KernelVariant):
             return KernelLookup(found, "found")
         problems.append(f"{DISPATCHER_MODULE}: {found}")
+    seen: list[Callable] = []
     for path in KERNEL_MODULES:
         module = _import(path)
         if isinstance(module, str):
@@ -380,6 +475,10 @@ def find_kernel() -> KernelLookup:
         if not callable(fn):
             problems.append(f"{path}: no {KERNEL_NAME}")
             continue
+        if any(fn is other for other in seen):
+            problems.append(f"{path}: the same {KERNEL_NAME} (a re-export)")
+            continue
+        seen.append(fn)
         try:
             found = identify_flydsl(fn, module, f"{path}.{KERNEL_NAME}")
         except Exception as e:  # noqa: BLE001 - a probe reports, never raises

@@ -3,8 +3,10 @@
 
 ``$AITER_DOUBLE_FLYDSL`` picks which API the name ``flydsl_fp8_paged_mqa_logits``
 means, as different aiter revisions do: ``general`` (default; aiter PR #4221),
-``gfx950`` (the gfx950-specialised kernel), ``none`` (an aiter without it) or
-``broken-import`` (an aiter/flydsl mismatch: importing raises RuntimeError).
+``gfx950`` (the gfx950-specialised kernel), ``gfx950-padded-q`` (its revision
+that takes q padded to ``MAX_NN`` rows, e.g. aiter f5b390371d), ``none`` (an
+aiter without it) or ``broken-import`` (an aiter/flydsl mismatch: importing
+raises RuntimeError).
 """
 
 import os
@@ -18,7 +20,12 @@ elif _WHICH == "gfx950":
         flydsl_fp8_paged_mqa_logits,
         flydsl_fp8_paged_mqa_logits_gfx950,
     )
+elif _WHICH == "gfx950-padded-q":
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q import (  # noqa: F401
+        flydsl_fp8_paged_mqa_logits,
+        flydsl_fp8_paged_mqa_logits_gfx950,
+    )
 elif _WHICH == "broken-import":
     raise RuntimeError("double: flydsl version does not match this aiter")
 elif _WHICH != "none":
-    raise ValueError(f"AITER_DOUBLE_FLYDSL={_WHICH!r} is not general/gfx950/none/broken-import")
+    raise ValueError(f"AITER_DOUBLE_FLYDSL={_WHICH!r} is not one of the revisions above")
