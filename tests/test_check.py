@@ -68,8 +68,16 @@ MUTATIONS = {
         "if False:",
         "next_n=2 with (B, 1) bounds",
     ),
-    "no contiguity check": ("if not kv_cache.is_contiguous():", "if False:", "strided cache (block-outer layout)"),
-    "no compress-ratio rule": ("if compress_ratio != 1:", "if False:", "DSV4.1 ratio 2 next_n=2 (same shapes)"),
+    "no contiguity check": (
+        "if not kv_cache.is_contiguous():",
+        "if False:",
+        "strided cache (block-outer layout)",
+    ),
+    "no compress-ratio rule": (
+        "if compress_ratio != 1:",
+        "if False:",
+        "DSV4.1 ratio 2 next_n=2 (same shapes)",
+    ),
     "no DCP rule": ("if dcp_world_size != 1:", "if False:", "DCP 2 next_n=2 (simulated)"),
     "no capture rule": (
         "if capturing and config not in self.compiled:",

@@ -92,7 +92,7 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
     assert "reference contracts (pure torch; NOT the real kernels)" in proc.stdout
     stock = {
-        "gfx950-sim": "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits",
+        "gfx950-sim": "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa",
         "no-rocm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950",
         "no-vllm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM unavailable",
     }[machine]

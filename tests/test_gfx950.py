@@ -56,7 +56,10 @@ def test_check_real_kernels_agree():
     proc = run([sys.executable, "-m", "vllm_flydsl_indexer", "check", "--device", "cuda"], real_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert "real kernels: aiter Gluon vs aiter FlyDSL" in proc.stdout
-    assert "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits " in proc.stdout
+    assert (
+        "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits "
+        in proc.stdout
+    )
     assert "(aiter's Gluon kernel)" in proc.stdout
     assert "22 passed, 0 failed" in proc.stdout
 

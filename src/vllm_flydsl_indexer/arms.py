@@ -7,8 +7,9 @@
   two write contracts. They are labelled as such and never presented as
   kernels.
 
-The FlyDSL arm always runs through :class:`~vllm_flydsl_indexer.adapter.FlyDSLRouter`,
-the code the plugin installs, with hooks that mirror vLLM's.
+Also the mirror of vLLM 0.33.0's gfx950 branches (:func:`stock_call`,
+:func:`mirror_hooks`), which :mod:`vllm_flydsl_indexer.paths` uses where vLLM's
+own function would not run aiter's Gluon kernel.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ def c4a_route_reference(
     block_tables,
     max_model_len,
 ) -> torch.Tensor:
-    """Stand-in for vLLM's C4A Triton route (block-flat cache) on reference arms: the Gluon contract, no preshuffle."""
+    """Stand-in for vLLM's C4A Triton route on reference arms: the Gluon contract, block-flat cache."""
     batch_size, next_n = q_fp8.shape[:2]
     out = output_buffer(batch_size * next_n, max_model_len)
     return fp8_paged_mqa_logits_reference(
@@ -209,7 +210,10 @@ def mirror_hooks(workspace: Workspace) -> StockHooks:
 def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None = None) -> FlyDSLRouter:
     """The plugin's router over the mirror's stock call (tests on machines without vLLM)."""
     return FlyDSLRouter(
-        stock_call(arms.gluon, workspace), arms.flydsl_variant(), mirror_hooks(workspace), logger or get_logger()
+        stock_call(arms.gluon, workspace),
+        arms.flydsl_variant(),
+        mirror_hooks(workspace),
+        logger or get_logger(),
     )
 
 

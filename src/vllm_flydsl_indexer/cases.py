@@ -145,7 +145,9 @@ def bounds_cases(heads: int, head_dim: int, batch: int, context_len: int) -> lis
             preshuffle=False,
             bounds="(B, 1) // 4",
         ),
-        case("GLM-5-next kpool next_n=2", next_n=2, caller=KPOOL, cache_ratio=KPOOL_RATIO, bounds="(B, 2) // 4"),
+        case(
+            "GLM-5-next kpool next_n=2", next_n=2, caller=KPOOL, cache_ratio=KPOOL_RATIO, bounds="(B, 2) // 4"
+        ),
         case("GLM-5-next kpool next_n=1", caller=KPOOL, cache_ratio=KPOOL_RATIO, bounds="(B, 1) // 4"),
         case("DCP 2 next_n=2 (simulated)", next_n=2, dcp=DCP_SIZE, kind="dcp", bounds="(B, 2) localised"),
         case("DCP 2 next_n=1 (simulated)", dcp=DCP_SIZE, kind="dcp", bounds="(B, 1) localised"),
@@ -233,4 +235,3 @@ def call_args(problem: PagedProblem) -> tuple:
         None,
         problem.max_model_len,
     )
-

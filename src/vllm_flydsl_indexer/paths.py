@@ -65,7 +65,7 @@ class Paths:
         return self._session()
 
     def caller(self, name: str) -> ModuleType:
-        """The caller's module: vLLM's own when this path uses vLLM and it imports, else a stand-in of that name."""
+        """The caller's module: vLLM's own when it imports, else a stand-in of that name."""
         module = self._modules.get(name)
         if module is None:
             module = None
@@ -142,7 +142,8 @@ def _reference_lookups(target: ModuleType) -> contextlib.AbstractContextManager:
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
         saved = {
-            name: vars(target)[name] for name in ("paged_mqa_logits_module", "rocm_fp8_paged_mqa_logits_triton")
+            name: vars(target)[name]
+            for name in ("paged_mqa_logits_module", "rocm_fp8_paged_mqa_logits_triton")
         }
         target.paged_mqa_logits_module = lambda: gluon_module
         target.rocm_fp8_paged_mqa_logits_triton = functools.partial(
@@ -195,7 +196,9 @@ def build_paths(
     target, why = vllm_target()
     if target is not None:
         original = vars(target)[TARGET_NAME]
-        original = getattr(original, "__wrapped__", original) if getattr(original, patch.MARKER, False) else original
+        original = (
+            getattr(original, "__wrapped__", original) if getattr(original, patch.MARKER, False) else original
+        )
         hooks = patch.vllm_stock_hooks(target)
 
         def make_router(hooks: StockHooks = hooks, **kwargs) -> FlyDSLRouter:
@@ -209,7 +212,9 @@ def build_paths(
                     stack.enter_context(_reference_lookups(target))
                 yield
 
-        kernels = "aiter's Gluon kernel" if arms.real else "its aiter lookups pointed at the reference contracts"
+        kernels = (
+            "aiter's Gluon kernel" if arms.real else "its aiter lookups pointed at the reference contracts"
+        )
         return Paths(
             stock=original,
             router=make_router(),

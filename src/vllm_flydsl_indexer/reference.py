@@ -366,11 +366,15 @@ def flydsl_contract_violation(
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
         return f"kv_cache must be uint8 (blocks, KVB, 1, dim), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
     if kv_cache.shape[1] != KVBlockSize or kv_cache.shape[2] != 1 or kv_cache.shape[3] < head_dim + 4:
-        return f"kv_cache shape {tuple(kv_cache.shape)} does not match KVBlockSize={KVBlockSize}, D={head_dim}"
+        return (
+            f"kv_cache shape {tuple(kv_cache.shape)} does not match KVBlockSize={KVBlockSize}, D={head_dim}"
+        )
     if not kv_cache.is_contiguous():
         return "kv_cache is not contiguous (the kernel assumes a block stride of KVBlockSize * dim)"
     if weights.dtype != torch.float32 or tuple(weights.shape) != (batch * next_n, heads):
-        return f"weights must be float32 ({batch * next_n}, {heads}), got {weights.dtype} {tuple(weights.shape)}"
+        return (
+            f"weights must be float32 ({batch * next_n}, {heads}), got {weights.dtype} {tuple(weights.shape)}"
+        )
     if not weights.is_contiguous():
         return "weights are not contiguous"
     if context_lens.dtype != torch.int32 or tuple(context_lens.shape) not in ((batch,), (batch, 1)):
@@ -379,7 +383,10 @@ def flydsl_contract_violation(
             f"got {context_lens.dtype} {tuple(context_lens.shape)}"
         )
     if kv_indices.dtype != torch.int32 or kv_indices.dim() != 2 or kv_indices.shape[0] != batch:
-        return f"block tables must be int32 ({batch}, max_blocks), got {kv_indices.dtype} {tuple(kv_indices.shape)}"
+        return (
+            f"block tables must be int32 ({batch}, max_blocks), "
+            f"got {kv_indices.dtype} {tuple(kv_indices.shape)}"
+        )
     if out_logits.dtype != torch.float32 or tuple(out_logits.shape) != (batch * next_n, max_model_len):
         return (
             f"out_logits must be float32 ({batch * next_n}, {max_model_len}), "
