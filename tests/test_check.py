@@ -159,3 +159,36 @@ def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspac
     rc, out = run_check(capsys)
     assert rc == 0, out
     assert "VLLM_ROCM_USE_AITER is not 1" in out
+
+
+def test_a_shape_stock_itself_rejects_passes_when_the_patched_call_delegates_alike(
+    target, workspace, monkeypatch, capsys
+):
+    """A real Gluon may reject a head count no model uses: that is vLLM's answer, on both arms."""
+    from vllm_flydsl_indexer import paths, reference
+
+    def picky_gluon(q_fp8, *args, **kwargs):
+        if q_fp8.shape[2] == 24:
+            raise RuntimeError("Gluon: unsupported heads")
+        return reference.gluon_contract_reference(q_fp8, *args, **kwargs)
+
+    monkeypatch.setattr(paths, "gluon_contract_reference", picky_gluon)
+    rc, out = run_check(capsys)
+    assert rc == 0, out
+    assert "note heads=24 (no kernel takes it): stock raised RuntimeError" in out
+
+
+def test_a_patched_call_that_raises_where_stock_does_not_fails(target, workspace, monkeypatch, capsys):
+    from vllm_flydsl_indexer import adapter as adapter_module
+
+    original = adapter_module.FlyDSLRouter.call_from
+
+    def call_from(self, caller, q_fp8, *args, **kwargs):
+        if q_fp8.shape[2] == 24:
+            raise RuntimeError("router bug")
+        return original(self, caller, q_fp8, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_module.FlyDSLRouter, "call_from", call_from)
+    rc, out = run_check(capsys)
+    assert rc == 1
+    assert "FAIL heads=24 (no kernel takes it): the patched call raised RuntimeError: router bug" in out

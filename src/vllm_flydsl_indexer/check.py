@@ -64,6 +64,7 @@ class CaseResult:
     within_tolerance: bool
     kernel_error: str | None
     ok: bool
+    note: str = ""
 
 
 def quiet_logger() -> logging.Logger:
@@ -101,16 +102,24 @@ def run_case(
     poison = paths.output_buffer
 
     poison(rows, problem.max_model_len).fill_(float("nan"))
-    stock_out = paths.stock(*args, **kwargs).clone()
+    try:
+        stock_out = paths.stock(*args, **kwargs).clone()
+    except Exception as e:  # noqa: BLE001 - vLLM's own answer to a shape no kernel takes
+        stock_out = e
 
     taken, failed = router.calls_taken, len(router.failed)
     poison(rows, problem.max_model_len).fill_(float("nan"))
     with paths.with_dcp(router, case.dcp) if case.dcp != 1 else contextlib.nullcontext():
-        patched_out = paths.patched_from(case.caller, router)(*args, **kwargs).clone()
+        try:
+            patched_out = paths.patched_from(case.caller, router)(*args, **kwargs).clone()
+        except Exception as e:  # noqa: BLE001
+            patched_out = e
     arm = "FlyDSL" if router.calls_taken > taken else "stock"
     kernel_error = None
     if len(router.failed) > failed:
-        kernel_error = next(reversed(router.failed.values()))
+        kernel_error = f"the FlyDSL kernel raised: {next(reversed(router.failed.values()))}"
+    if isinstance(stock_out, Exception) or isinstance(patched_out, Exception):
+        return raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out)
 
     ends = read_window_ends(problem.context_lens, rows, problem.next_n)
     agreement = compare_in_windows(stock_out, patched_out, ends, topk)
@@ -131,6 +140,42 @@ def run_case(
         agreement.max_rel_diff < tolerance or agreement.max_rel_diff == 0.0,
         kernel_error,
         ok=arm == expected and kernel_error is None and agreement.ok(tolerance) and exact_writes,
+    )
+
+
+def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out) -> CaseResult:
+    """A case where a call raised: it passes only if stock raised and the patched call, on stock, did too."""
+    same = (
+        isinstance(stock_out, Exception)
+        and isinstance(patched_out, Exception)
+        and type(stock_out) is type(patched_out)
+        and arm == "stock"
+    )
+    error = kernel_error
+    note = ""
+    if same:
+        note = (
+            f"stock raised {type(stock_out).__name__} (vLLM's own answer); the patched call delegated alike"
+        )
+    else:
+        raised = patched_out if isinstance(patched_out, Exception) else stock_out
+        which = "the patched call" if raised is patched_out else "stock alone"
+        error = error or f"{which} raised {type(raised).__name__}: {raised}"
+    return CaseResult(
+        case,
+        expected,
+        arm,
+        rows,
+        0,
+        0,
+        0.0,
+        same,
+        same,
+        same,
+        same,
+        error,
+        ok=same and arm == expected,
+        note=note,
     )
 
 
@@ -183,8 +228,10 @@ def render(results: list[CaseResult], arms: Arms, paths: Paths, device: torch.de
         *[fmt(row) for row in body],
     ]
     for r in results:
+        if r.note:
+            lines.append(f"note {r.case.label}: {r.note}")
         if r.kernel_error:
-            lines.append(f"FAIL {r.case.label}: the FlyDSL kernel raised: {r.kernel_error}")
+            lines.append(f"FAIL {r.case.label}: {r.kernel_error}")
         elif r.arm != r.expected:
             lines.append(f"FAIL {r.case.label}: took {r.arm}, the rules require {r.expected}")
         elif not r.ok:
