@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Drift tests: the installed vLLM still looks the way the adapter assumes.
 
-They parse vLLM's source with ``ast`` (nothing is executed), so a new vLLM
-release that changes a call site, the stock Gluon call or the consumers of the
-logits fails here before it can make the plugin wrong.
+They parse vLLM's source with ``ast`` (and, where it is cheap, build a vLLM
+config), so a new vLLM release that changes a call site, the stock Gluon call,
+the consumers of the logits or the warm-up before graph capture fails here
+before it can make the plugin wrong.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,102 @@ def test_glm5next_kpool_bounds_are_pooled_and_the_call_passes_no_ratio():
         function(module_source("vllm.models.glm5next.amd.sparse_indexer"), "sparse_attn_indexer_kpool")
     )
     assert "max_model_len=max_pool_len" in src
+
+
+# What the adapter's no-compile-inside-capture guard rests on: vLLM runs the
+# model eagerly, outside capture, before it captures any graph, so FlyDSL's JIT
+# compile of each configuration happens there and the guard should never fire.
+
+
+def method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def calls_in_order(tree: ast.Module, cls: str, name: str) -> list[str]:
+    """Names of the calls method ``cls.name`` makes, in source order, with ``self.`` helpers inlined."""
+    names: list[str] = []
+
+    def visit(fn: ast.FunctionDef, stack: tuple[str, ...]) -> None:
+        for node in _source_order(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called is None:
+                continue
+            names.append(called)
+            on_self = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "self"
+            if on_self and called not in stack:
+                try:
+                    visit(method(tree, cls, called), (*stack, called))
+                except StopIteration:
+                    pass  # not a method of this class (an inherited or runner method)
+
+    visit(method(tree, cls, name), (name,))
+    return names
+
+
+def _source_order(fn: ast.FunctionDef) -> list[ast.AST]:
+    return sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset))
+
+
+def test_config_forces_one_cudagraph_warmup_when_graphs_are_on(monkeypatch):
+    """``VllmConfig`` turns CompilationConfig's default of 0 warm-ups into 1 on a graph platform.
+
+    The test process's platform is ROCm gfx950 (the amdsmi double), so this is
+    the branch a GPU takes; a platform without graphs (a CPU) keeps 0.
+    """
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    environ = dict(os.environ)  # VllmConfig may set VLLM_* variables; keep other tests clean
+    try:
+        assert CompilationConfig().cudagraph_num_of_warmups == 0
+        assert current_platform.support_static_graph_mode()
+        config = VllmConfig().compilation_config
+        assert config.cudagraph_mode != CUDAGraphMode.NONE
+        assert config.cudagraph_num_of_warmups == 1, "vLLM no longer forces a warm-up before each capture"
+        monkeypatch.setattr(
+            type(current_platform), "support_static_graph_mode", classmethod(lambda cls: False)
+        )
+        assert VllmConfig().compilation_config.cudagraph_num_of_warmups == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def test_v1_runner_warms_up_that_many_times_before_each_capture():
+    """Model Runner V1 runs ``cudagraph_num_of_warmups`` eager steps before each capture."""
+    fn = method(module_source("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner", "_warmup_and_capture")
+    src = ast.unparse(fn)
+    assert "num_warmups = self.compilation_config.cudagraph_num_of_warmups" in src
+    assert "for _ in range(num_warmups):" in src
+    warmups = src.index("for _ in range(num_warmups):")
+    assert warmups < src.index("cudagraph_runtime_mode=cudagraph_runtime_mode")  # the capture step
+
+
+def test_worker_warms_up_kernels_before_it_captures():
+    """The worker runs Model Runner V2's ``warmup_kernels`` (real steps) before ``capture_model``.
+
+    In 0.32.0 this is inline in ``compile_or_warm_up_model``; 0.33.0 moves it to
+    a helper of the same class, which is followed.
+    """
+    from vllm.config import KernelConfig
+
+    assert KernelConfig().enable_jit_warmup, "the JIT warm-up is no longer on by default"
+    names = calls_in_order(module_source("vllm.v1.worker.gpu_worker"), "Worker", "compile_or_warm_up_model")
+    assert "warmup_kernels" in names, "the worker no longer runs warmup_kernels"
+    assert "capture_model" in names, "the worker no longer calls capture_model"
+    assert names.index("warmup_kernels") < names.index("capture_model"), names
+
+
+def test_v2_graph_manager_runs_one_eager_forward_before_each_capture():
+    """Model Runner V2's graph manager runs ``forward_fn(NONE)`` before each ``torch.cuda.graph``."""
+    fn = method(module_source("vllm.v1.worker.gpu.cudagraph_utils"), "CudaGraphManager", "capture")
+    order = [ast.unparse(n) for n in _source_order(fn) if isinstance(n, ast.Call)]
+    eager = "forward_fn(CUDAGraphMode.NONE)"
+    graph = next((i for i, c in enumerate(order) if c.startswith("torch.cuda.graph(")), None)
+    assert eager in order and graph is not None, order
+    assert order.index(eager) < graph
