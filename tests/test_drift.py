@@ -330,3 +330,63 @@ def test_v2_graph_manager_runs_one_eager_forward_before_each_capture():
     graph = next((i for i, c in enumerate(order) if c.startswith("torch.cuda.graph(")), None)
     assert eager in order and graph is not None, order
     assert order.index(eager) < graph
+
+
+# What the README's "Which models reach this call" table rests on.
+
+
+def test_which_indexer_caches_are_forced_block_outer():
+    """DeepSeek-V4/V4.1 and GLM-5-next force a block-outer layout; DeepSeek-V3.2/GLM-5.x take the default.
+
+    vLLM resolves one KV cache layout for the whole model from every backend's
+    supported layouts, so GLM-5-next's kpool tail cache decides its indexer
+    cache's layout too.
+    """
+    from vllm.v1.attention.backends.mla import indexer
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vllm_flydsl_indexer.doctor import BLOCK_OUTER_LAYOUTS
+
+    assert {layout.name for layout in KVCacheLayout if not layout.is_layer_compact} == set(
+        BLOCK_OUTER_LAYOUTS
+    )
+    for backend in (
+        indexer.DeepseekV4IndexerBackend,
+        indexer.DeepseekV41IndexerBackend,
+        indexer.KpoolTailBackend,
+    ):
+        layouts = backend.supported_kv_cache_layouts()
+        assert layouts and not any(layout.is_layer_compact for layout in layouts), (backend, layouts)
+    glm5next = get_supported_kv_cache_layouts([indexer.Glm5NextIndexerBackend, indexer.KpoolTailBackend])
+    assert glm5next and not any(layout.is_layer_compact for layout in glm5next)
+    assert indexer.DeepseekV32IndexerBackend.supported_kv_cache_layouts() is None
+    assert get_supported_kv_cache_layouts([indexer.DeepseekV32IndexerBackend])[0].is_layer_compact
+    # GLM-5-next always has the tail cache: its indexer asserts index_kpool > 1.
+    text = (vllm_root() / "models/glm5next/common/attention.py").read_text()
+    assert 'assert index_kpool > 1, "Glm5NextTailCache expects index_kpool > 1"' in text
+    assert "self.tail_cache = Glm5NextTailCache(" in text
+
+
+def test_deepseek_v4_defaults_to_the_mxfp4_indexer_on_cdna4():
+    """0.33.0: DeepSeek-V4 (not V4.1) on MI350/MI355 with aiter uses aiter's MXFP4 indexer.
+
+    Unless FP8 is asked for. 0.32.0 has no such default (its DeepSeek-V4 indexer
+    cache stays FP8). Either way only DeepSeek-V4's compress-ratio-4 (C4A) layers
+    have an indexer, and stock sends those calls to vLLM's own Triton kernel.
+    """
+    tree = module_source("vllm.platforms.rocm")
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    version = importlib.metadata.version("vllm")
+    if version.startswith("0.32."):
+        assert "_maybe_default_dsv4_mxfp4_indexer" not in defined
+    else:
+        src = ast.unparse(function(tree, "_maybe_default_dsv4_mxfp4_indexer"))
+        assert "!= 'deepseek_v4'" in src and "get_cdna_version() != 4" in src
+        assert "attention_config.indexer_kv_dtype != 'auto'" in src
+        assert "attention_config.indexer_kv_dtype = 'mxfp4'" in src
+    text = (vllm_root() / "models/deepseek_v4/attention.py").read_text()
+    assert (
+        "if self.compress_ratio == 4:\n            # Only C4A uses sparse attention and hence has indexer."
+        in text
+    )
