@@ -13,12 +13,12 @@
 : "${TP:=8}"
 : "${SEED:=0}"
 # Extra `vllm serve` flags for both arms, split on spaces (e.g. "--max-model-len 131072").
+# No compilation flag is needed for FlyDSL: on a GPU vLLM runs eager warm-up steps
+# before it captures CUDA graphs, and those compile FlyDSL's kernels first.
 : "${EXTRA_SERVE_ARGS:=}"
-# An eager warm-up step before each CUDA-graph capture: FlyDSL JIT-compiles a
-# configuration on its first call and the plugin refuses to do that inside a
-# capture. Used for both arms so the A/B stays honest.
-DEFAULT_COMPILATION_CONFIG='{"cudagraph_num_of_warmups": 1}'
-: "${COMPILATION_CONFIG:=$DEFAULT_COMPILATION_CONFIG}"
+# An aiter-format tuned table (`vllm-flydsl-indexer bench --tune`), passed to both
+# arms' servers as VLLM_FLYDSL_INDEXER_TUNED_CSV; only the flydsl arm reads it.
+: "${TUNED_CSV:=}"
 : "${HEALTH_TIMEOUT:=3600}" # seconds; loading and compiling a 671B model takes a while
 : "${HEALTH_POLL:=5}"       # seconds between /health probes (fractions work)
 : "${STOP_TIMEOUT:=120}"    # seconds to wait after SIGTERM before SIGKILL
@@ -33,6 +33,9 @@ STOCK_LINE="vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive:"
 DISAGREE_LINE="paged MQA logits DISAGREE"
 # Logged once per distinct reason when an eligible-looking call kept the stock path.
 STOCK_CALL_LINE="vllm-flydsl-indexer: stock path for this call:"
+# Logged (WARNING) when a tuned table cannot be used: the process routes without it.
+TABLE_IGNORED_LINE="vllm-flydsl-indexer: tuned table ignored:"
+TUNED_CSV_VAR=VLLM_FLYDSL_INDEXER_TUNED_CSV
 
 SERVER_PID=""
 
@@ -63,6 +66,7 @@ arm_env() {
 	local switch=0
 	[[ "$1" == flydsl ]] && switch=1
 	ARM_ENV=(VLLM_ROCM_USE_AITER=1 "${FLYDSL_SWITCH}=${switch}")
+	if [[ -n "$TUNED_CSV" ]]; then ARM_ENV+=("${TUNED_CSV_VAR}=${TUNED_CSV}"); fi
 }
 
 # serve_argv: set SERVE_ARGV to the `vllm` arguments (identical for both arms).
@@ -75,7 +79,6 @@ serve_argv() {
 		--port "$PORT"
 		--tensor-parallel-size "$TP"
 		--seed "$SEED"
-		--compilation-config "$COMPILATION_CONFIG"
 		"${extra[@]}"
 	)
 }
@@ -174,8 +177,18 @@ report_stock_calls() {
 	local n
 	n=$(count_lines "$STOCK_CALL_LINE" "$1")
 	((n == 0)) && return 0
-	log "${n} distinct reason(s) for stock-path calls (e.g. a CUDA graph captured before FlyDSL compiled):"
+	log "${n} distinct reason(s) for stock-path calls (e.g. a strided KV cache layout, or a tuned table's pick):"
 	grep -F -- "$STOCK_CALL_LINE" "$1" >&2 || true
+}
+
+# check_table_lines LOGFILE: no process logged that it ignored the tuned table (TUNED_CSV).
+check_table_lines() {
+	local n
+	n=$(count_lines "$TABLE_IGNORED_LINE" "$1")
+	((n == 0)) && return 0
+	grep -F -- "$TABLE_IGNORED_LINE" "$1" >&2 || true
+	log "${n} line(s) say the tuned table ${TUNED_CSV} was ignored: those processes route without it"
+	return 1
 }
 
 # print_usage SCRIPT: print SCRIPT's header comment (line 2 up to `set -euo`).

@@ -17,6 +17,8 @@
 #     kernels and compares; on disagreement that process logs an ERROR containing
 #     "paged MQA logits DISAGREE" and uses the stock kernel from then on
 #   VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM=1  let a vLLM newer than 0.33.x through
+#   TUNED_CSV=FILE  an aiter-format tuned table (`vllm-flydsl-indexer bench --tune`),
+#     passed as VLLM_FLYDSL_INDEXER_TUNED_CSV: per shape FlyDSL or stock, measured
 #   VLLM_PLUGINS  if set, must include flydsl_indexer (checked before start)
 #
 # What it does:
@@ -24,8 +26,8 @@
 #      a failing gate stops here with the doctor's report.
 #   2. starts, with the environment below (nothing else differs between the arms):
 #        VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS=1|0 \
-#          vllm serve "$MODEL" --tensor-parallel-size 8 --seed 0 \
-#          --compilation-config '{"cudagraph_num_of_warmups": 1}'
+#          vllm serve "$MODEL" --tensor-parallel-size 8 --seed 0
+#      (no compilation flag: vLLM's own warm-up before graph capture compiles FlyDSL)
 #   3. waits for /health, then checks the plugin's one line per process:
 #        grep -c "FlyDSL paged MQA logits ACTIVE" "$LOG"   # flydsl: >= TP (every worker)
 #   4. keeps serving until Ctrl-C (or SIGTERM), then stops the server and its workers.

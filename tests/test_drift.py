@@ -1,9 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """Drift tests: the installed vLLM still looks the way the adapter assumes.
 
-They parse vLLM's source with ``ast`` (nothing is executed), so a new vLLM
-release that changes a call site, the stock Gluon call or the consumers of the
-logits fails here before it can make the plugin wrong.
+They parse vLLM's source with ``ast`` (and, where it is cheap, build a vLLM
+config), so a new vLLM release that changes a call site, the stock Gluon call,
+the consumers of the logits or the warm-up before graph capture fails here
+before it can make the plugin wrong.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -229,3 +231,162 @@ def test_glm5next_kpool_bounds_are_pooled_and_the_call_passes_no_ratio():
         function(module_source("vllm.models.glm5next.amd.sparse_indexer"), "sparse_attn_indexer_kpool")
     )
     assert "max_model_len=max_pool_len" in src
+
+
+# What the adapter's no-compile-inside-capture guard rests on: vLLM runs the
+# model eagerly, outside capture, before it captures any graph, so FlyDSL's JIT
+# compile of each configuration happens there and the guard should never fire.
+
+
+def method(tree: ast.Module, cls: str, name: str) -> ast.FunctionDef:
+    klass = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return next(n for n in klass.body if isinstance(n, ast.FunctionDef) and n.name == name)
+
+
+def calls_in_order(tree: ast.Module, cls: str, name: str) -> list[str]:
+    """Names of the calls method ``cls.name`` makes, in source order, with ``self.`` helpers inlined."""
+    names: list[str] = []
+
+    def visit(fn: ast.FunctionDef, stack: tuple[str, ...]) -> None:
+        for node in _source_order(fn):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            called = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if called is None:
+                continue
+            names.append(called)
+            on_self = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "self"
+            if on_self and called not in stack:
+                try:
+                    visit(method(tree, cls, called), (*stack, called))
+                except StopIteration:
+                    pass  # not a method of this class (an inherited or runner method)
+
+    visit(method(tree, cls, name), (name,))
+    return names
+
+
+def _source_order(fn: ast.FunctionDef) -> list[ast.AST]:
+    return sorted((n for n in ast.walk(fn) if hasattr(n, "lineno")), key=lambda n: (n.lineno, n.col_offset))
+
+
+def test_config_forces_one_cudagraph_warmup_when_graphs_are_on(monkeypatch):
+    """``VllmConfig`` turns CompilationConfig's default of 0 warm-ups into 1 on a graph platform.
+
+    The test process's platform is ROCm gfx950 (the amdsmi double), so this is
+    the branch a GPU takes; a platform without graphs (a CPU) keeps 0.
+    """
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.config.compilation import CUDAGraphMode
+    from vllm.platforms import current_platform
+
+    environ = dict(os.environ)  # VllmConfig may set VLLM_* variables; keep other tests clean
+    try:
+        assert CompilationConfig().cudagraph_num_of_warmups == 0
+        assert current_platform.support_static_graph_mode()
+        config = VllmConfig().compilation_config
+        assert config.cudagraph_mode != CUDAGraphMode.NONE
+        assert config.cudagraph_num_of_warmups == 1, "vLLM no longer forces a warm-up before each capture"
+        monkeypatch.setattr(
+            type(current_platform), "support_static_graph_mode", classmethod(lambda cls: False)
+        )
+        assert VllmConfig().compilation_config.cudagraph_num_of_warmups == 0
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+def test_v1_runner_warms_up_that_many_times_before_each_capture():
+    """Model Runner V1 runs ``cudagraph_num_of_warmups`` eager steps before each capture."""
+    fn = method(module_source("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner", "_warmup_and_capture")
+    src = ast.unparse(fn)
+    assert "num_warmups = self.compilation_config.cudagraph_num_of_warmups" in src
+    assert "for _ in range(num_warmups):" in src
+    warmups = src.index("for _ in range(num_warmups):")
+    assert warmups < src.index("cudagraph_runtime_mode=cudagraph_runtime_mode")  # the capture step
+
+
+def test_worker_warms_up_kernels_before_it_captures():
+    """The worker runs Model Runner V2's ``warmup_kernels`` (real steps) before ``capture_model``.
+
+    In 0.32.0 this is inline in ``compile_or_warm_up_model``; 0.33.0 moves it to
+    a helper of the same class, which is followed.
+    """
+    from vllm.config import KernelConfig
+
+    assert KernelConfig().enable_jit_warmup, "the JIT warm-up is no longer on by default"
+    names = calls_in_order(module_source("vllm.v1.worker.gpu_worker"), "Worker", "compile_or_warm_up_model")
+    assert "warmup_kernels" in names, "the worker no longer runs warmup_kernels"
+    assert "capture_model" in names, "the worker no longer calls capture_model"
+    assert names.index("warmup_kernels") < names.index("capture_model"), names
+
+
+def test_v2_graph_manager_runs_one_eager_forward_before_each_capture():
+    """Model Runner V2's graph manager runs ``forward_fn(NONE)`` before each ``torch.cuda.graph``."""
+    fn = method(module_source("vllm.v1.worker.gpu.cudagraph_utils"), "CudaGraphManager", "capture")
+    order = [ast.unparse(n) for n in _source_order(fn) if isinstance(n, ast.Call)]
+    eager = "forward_fn(CUDAGraphMode.NONE)"
+    graph = next((i for i, c in enumerate(order) if c.startswith("torch.cuda.graph(")), None)
+    assert eager in order and graph is not None, order
+    assert order.index(eager) < graph
+
+
+# What the README's "Which models reach this call" table rests on.
+
+
+def test_which_indexer_caches_are_forced_block_outer():
+    """DeepSeek-V4/V4.1 and GLM-5-next force a block-outer layout; DeepSeek-V3.2/GLM-5.x take the default.
+
+    vLLM resolves one KV cache layout for the whole model from every backend's
+    supported layouts, so GLM-5-next's kpool tail cache decides its indexer
+    cache's layout too.
+    """
+    from vllm.v1.attention.backends.mla import indexer
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    from vllm_flydsl_indexer.doctor import BLOCK_OUTER_LAYOUTS
+
+    assert {layout.name for layout in KVCacheLayout if not layout.is_layer_compact} == set(
+        BLOCK_OUTER_LAYOUTS
+    )
+    for backend in (
+        indexer.DeepseekV4IndexerBackend,
+        indexer.DeepseekV41IndexerBackend,
+        indexer.KpoolTailBackend,
+    ):
+        layouts = backend.supported_kv_cache_layouts()
+        assert layouts and not any(layout.is_layer_compact for layout in layouts), (backend, layouts)
+    glm5next = get_supported_kv_cache_layouts([indexer.Glm5NextIndexerBackend, indexer.KpoolTailBackend])
+    assert glm5next and not any(layout.is_layer_compact for layout in glm5next)
+    assert indexer.DeepseekV32IndexerBackend.supported_kv_cache_layouts() is None
+    assert get_supported_kv_cache_layouts([indexer.DeepseekV32IndexerBackend])[0].is_layer_compact
+    # GLM-5-next always has the tail cache: its indexer asserts index_kpool > 1.
+    text = (vllm_root() / "models/glm5next/common/attention.py").read_text()
+    assert 'assert index_kpool > 1, "Glm5NextTailCache expects index_kpool > 1"' in text
+    assert "self.tail_cache = Glm5NextTailCache(" in text
+
+
+def test_deepseek_v4_defaults_to_the_mxfp4_indexer_on_cdna4():
+    """0.33.0: DeepSeek-V4 (not V4.1) on MI350/MI355 with aiter uses aiter's MXFP4 indexer.
+
+    Unless FP8 is asked for. 0.32.0 has no such default (its DeepSeek-V4 indexer
+    cache stays FP8). Either way only DeepSeek-V4's compress-ratio-4 (C4A) layers
+    have an indexer, and stock sends those calls to vLLM's own Triton kernel.
+    """
+    tree = module_source("vllm.platforms.rocm")
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    version = importlib.metadata.version("vllm")
+    if version.startswith("0.32."):
+        assert "_maybe_default_dsv4_mxfp4_indexer" not in defined
+    else:
+        src = ast.unparse(function(tree, "_maybe_default_dsv4_mxfp4_indexer"))
+        assert "!= 'deepseek_v4'" in src and "get_cdna_version() != 4" in src
+        assert "attention_config.indexer_kv_dtype != 'auto'" in src
+        assert "attention_config.indexer_kv_dtype = 'mxfp4'" in src
+    text = (vllm_root() / "models/deepseek_v4/attention.py").read_text()
+    assert (
+        "if self.compress_ratio == 4:\n            # Only C4A uses sparse attention and hence has indexer."
+        in text
+    )

@@ -39,6 +39,7 @@ RESULTS = EXAMPLES / "results"
 SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
 HELPERS = ("ab_table", "bench_table", "lm_eval_args")
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
+TUNED_VAR = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
 MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
 ACTIVE = "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE (aiter FlyDSL replaces stock)"
 STOCK = f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {SWITCH} is not set to 1)"
@@ -86,9 +87,6 @@ VLLM_CHECKER = textwrap.dedent(
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    def field(obj, name):
-        return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
     def check_serve(argv):
         parser = FlexibleArgumentParser(prog="vllm")
         sub = parser.add_subparsers(dest="subparser")
@@ -97,8 +95,7 @@ VLLM_CHECKER = textwrap.dedent(
         args = parser.parse_args(argv)
         cmd.validate(args)
         return {"model": args.model_tag, "host": args.host, "port": args.port,
-                "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed,
-                "warmups": field(args.compilation_config, "cudagraph_num_of_warmups")}
+                "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed}
 
     def check_bench(argv):
         assert argv[:2] == ["bench", "serve"], argv
@@ -181,6 +178,9 @@ FAKE = textwrap.dedent(
         for i in range(10):
             line = os.environ["FAKE_ACTIVE_LINE"] if i < n_active else os.environ["FAKE_STOCK_LINE"]
             print(f"(Worker_TP{i} pid={os.getpid()}) INFO [__init__.py:80] {line}", flush=True)
+        if on and os.environ.get("FAKE_TABLE_IGNORED") and os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV"):
+            ignored = "vllm-flydsl-indexer: tuned table ignored: no rows for this GPU's 304 CUs"
+            print(f"(Worker_TP0) WARNING {ignored}", flush=True)
         time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY", "1.5")))
         http.server.HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
 
@@ -208,16 +208,45 @@ FAKE = textwrap.dedent(
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(data))
 
+    def tune():
+        # What `bench --tune` writes on a node: aiter-format rows for its GPU.
+        record()
+        from vllm_flydsl_indexer import tuning
+        if os.environ.get("FAKE_TUNE_RC"):
+            sys.exit(int(os.environ["FAKE_TUNE_RC"]))
+        gfx = os.environ.get("FAKE_TUNE_GFX", "gfx950")
+        with open(opt("--tune"), "w") as f:
+            f.write(",".join(tuning.COLUMNS) + "\\n")
+            for batch, backend in ((1, "gluon"), (64, "flydsl")):
+                f.write(f"{gfx},256,{batch},1,32,128,64,1,8192,{backend},256,2,2,10.0,10.0,9.0\\n")
+        print(f"bench --tune: wrote 2 rows (kernel timings) to {opt('--tune')}, kept 0 earlier rows")
+
+    def doctor():
+        # The real plugin's table parser, as `doctor` runs it on a gfx950 node.
+        record()
+        if "--json" not in argv:
+            print("fake doctor report")
+            sys.exit(int(os.environ.get("FAKE_DOCTOR_RC", "0")))
+        from vllm_flydsl_indexer import tuning
+        source = os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV")
+        try:
+            with open(source, newline="") as f:
+                table = tuning.parse(f, source, "gfx950")
+            report = {"source": source, "gfx": table.gfx, "rows": table.rows, "note": "in use"}
+        except (OSError, TypeError, tuning.TableError) as e:
+            report = {"source": source, "note": f"IGNORED: {e}"}
+        print(json.dumps({"tuned_table": report}))
+
     if name == "vllm" and argv[:1] == ["serve"]:
         serve()
     elif name == "vllm" and argv[:2] == ["bench", "serve"]:
         bench()
     elif name == "lm_eval":
         lm_eval()
-    elif name == "vllm-flydsl-indexer":
-        record()
-        print("fake doctor report")
-        sys.exit(int(os.environ.get("FAKE_DOCTOR_RC", "0")))
+    elif name == "vllm-flydsl-indexer" and argv[:2] == ["bench", "--tune"]:
+        tune()
+    elif name == "vllm-flydsl-indexer" and argv[:1] == ["doctor"]:
+        doctor()
     else:
         sys.exit(f"fake {name}: unexpected arguments {argv}")
     """
@@ -332,9 +361,19 @@ def throughput_bg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backgrou
     run.stop()
 
 
+@pytest.fixture(scope="module")
+def tuned_bg(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Background]:
+    box = Sandbox(tmp_path_factory.mktemp("tuned"))
+    run = Background(box, "throughput_ab.sh", CONCURRENCIES="64", TUNE="1", TUNE_ARGS="--batch 1,64")
+    yield run
+    run.stop()
+
+
 @pytest.fixture(autouse=True, scope="module")
-def _start_slow_work_early(vllm_checker, accuracy_bg: Background, throughput_bg: Background) -> None:
-    """Start vLLM's import and both A/B scripts before the first test; they run alongside."""
+def _start_slow_work_early(
+    vllm_checker, accuracy_bg: Background, throughput_bg: Background, tuned_bg: Background
+) -> None:
+    """Start vLLM's import and the A/B scripts before the first test; they run alongside."""
 
 
 @pytest.fixture
@@ -345,6 +384,11 @@ def accuracy_run(accuracy_bg: Background) -> tuple[Sandbox, subprocess.Completed
 @pytest.fixture
 def throughput_run(throughput_bg: Background) -> tuple[Sandbox, subprocess.CompletedProcess[str]]:
     return throughput_bg.result()
+
+
+@pytest.fixture
+def tuned_run(tuned_bg: Background) -> tuple[Sandbox, subprocess.CompletedProcess[str]]:
+    return tuned_bg.result()
 
 
 @pytest.fixture(scope="module")
@@ -552,7 +596,80 @@ def test_throughput_ab_runs_both_arms_and_writes_the_table(throughput_run) -> No
     assert len(benches) == 4
     stock, flydsl = box.serve_calls()
     assert stock["argv"] == flydsl["argv"] and stock["env"] == {**flydsl["env"], SWITCH: "0"}
+    # Without TUNE or TUNED_CSV: no tuning, no table.
+    assert box.calls("vllm-flydsl-indexer") == [] and TUNED_VAR not in flydsl["env"]
     box.assert_servers_gone()
+
+
+def test_throughput_ab_tunes_on_the_node_then_ab_with_the_table(tuned_run) -> None:
+    box, proc = tuned_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = box.out / "paged_mqa_logits_tuned.csv"
+    progs = [(c["prog"], c["argv"][:1]) for c in box.calls()]
+    # Tune, then the doctor reads the table back, then the arms.
+    assert progs[:3] == [
+        ("vllm-flydsl-indexer", ["bench"]),
+        ("vllm-flydsl-indexer", ["doctor"]),
+        ("vllm", ["serve"]),
+    ]
+    tune, doctor = box.calls("vllm-flydsl-indexer")
+    assert tune["argv"] == ["bench", "--tune", str(table), "--batch", "1,64"]
+    assert tune["env"]["VLLM_ROCM_USE_AITER"] == "1"
+    assert doctor["argv"] == ["doctor", "--json"]
+    assert doctor["env"][SWITCH] == "1" and doctor["env"][TUNED_VAR] == str(table)
+    assert "tuned table " + str(table) + ": 2 rows for gfx950: in use" in proc.stderr
+    # Both arms get the table; they still differ only in the switch.
+    stock, flydsl = box.serve_calls()
+    assert flydsl["env"][TUNED_VAR] == str(table)
+    assert stock["argv"] == flydsl["argv"] and stock["env"] == {**flydsl["env"], SWITCH: "0"}
+    assert (box.out / "bench_table.md").is_file()
+    box.assert_servers_gone()
+
+
+def test_the_tune_step_is_the_plugins_own_command(tuned_run) -> None:
+    """The argv the script ran parses with the plugin's CLI as ``bench --tune``."""
+    from vllm_flydsl_indexer.cli import build_parser
+
+    box, _ = tuned_run
+    tune = box.calls("vllm-flydsl-indexer")[0]
+    args = build_parser().parse_args(tune["argv"])
+    assert args.command == "bench"
+    assert args.tune_path == str(box.out / "paged_mqa_logits_tuned.csv") and args.batch == (1, 64)
+
+
+@pytest.mark.parametrize(
+    ("env", "message", "servers"),
+    [
+        ({"FAKE_TUNE_RC": "2"}, "bench --tune failed", 0),
+        # Rows of another arch (e.g. a --reference dry run): the plugin would ignore the table.
+        ({"FAKE_TUNE_GFX": "reference"}, "would not use the tuned table", 0),
+        # A server that ignored the table at runtime (rows for another CU count).
+        ({"FAKE_TABLE_IGNORED": "1"}, "the flydsl arm is not using the tuned table", 2),
+        ({"TUNE": "yes"}, "TUNE='yes' is not 0 or 1", 0),
+    ],
+)
+def test_throughput_ab_stops_when_the_table_is_not_used(tmp_path: Path, env, message, servers) -> None:
+    box = Sandbox(tmp_path)
+    proc = box.run("throughput_ab.sh", **{"CONCURRENCIES": "1", "TUNE": "1", **env})
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-2000:]
+    assert len(box.serve_calls()) == servers
+    assert not (box.out / "bench_table.md").exists()
+    box.assert_servers_gone()
+
+
+def test_throughput_ab_reuses_a_table_tuned_earlier(tmp_path: Path) -> None:
+    (tmp_path / "first").mkdir()
+    (tmp_path / "again").mkdir()
+    box = Sandbox(tmp_path / "first")
+    table = tmp_path / "tuned.csv"
+    tuned = box.run("throughput_ab.sh", TUNE="1", TUNED_CSV=str(table), ARMS="stock", CONCURRENCIES="1")
+    assert tuned.returncode == 0, tuned.stderr[-2000:]
+    reuse = Sandbox(tmp_path / "again")
+    proc = reuse.run("throughput_ab.sh", TUNED_CSV=str(table), ARMS="flydsl", CONCURRENCIES="1")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [c["argv"][:1] for c in reuse.calls("vllm-flydsl-indexer")] == [["doctor"]]  # no tuning
+    assert reuse.serve_calls()[0]["env"][TUNED_VAR] == str(table)
 
 
 # --------------------------------------------------------------------------------------
@@ -704,7 +821,8 @@ def test_extra_serve_args_reach_both_arms() -> None:
     argv = proc.stdout.splitlines()
     assert argv[:2] == ["serve", "m"]
     assert argv[argv.index("--tensor-parallel-size") + 1] == "4"
-    assert argv[argv.index("--compilation-config") + 1] == '{"cudagraph_num_of_warmups": 1}'
+    # vLLM warms up before graph capture by itself: no compilation override in either arm.
+    assert "--compilation-config" not in argv
     assert argv[-4:] == ["--max-model-len", "131072", "--block-size", "1"]
 
 
@@ -824,18 +942,19 @@ def test_bench_table_warns_when_the_runs_are_not_like_for_like(tmp_path: Path, c
 # What the scripts ran, through vLLM's own parsers (last: the import has had time).
 
 
-def test_vllm_accepts_the_argv_the_scripts_ran(accuracy_run, throughput_run, vllm_checker) -> None:
-    serve = [c["argv"] for box, _ in (accuracy_run, throughput_run) for c in box.serve_calls()]
+def test_vllm_accepts_the_argv_the_scripts_ran(accuracy_run, throughput_run, tuned_run, vllm_checker) -> None:
+    runs = (accuracy_run, throughput_run, tuned_run)
+    serve = [c["argv"] for box, _ in runs for c in box.serve_calls()]
     tbox = throughput_run[0]
     bench = [c["argv"] for c in tbox.calls("vllm") if c["argv"][:1] == ["bench"]]
-    assert len(serve) == 4 and len(bench) == 4
+    assert len(serve) == 6 and len(bench) == 4
+    assert not any("--compilation-config" in argv for argv in serve)
     result = vllm_check(vllm_checker, {"serve": serve, "bench": bench})
     for item in result["serve"]:
         assert item["ok"], item["error"]
         v = item["values"]
         assert v["model"] == MODEL and v["tensor_parallel_size"] == 8 and v["seed"] == 0
         assert v["host"] == "127.0.0.1"
-        assert v["warmups"] == 1, "cudagraph_num_of_warmups must reach vLLM's compilation config"
     concurrencies = []
     for item in result["bench"]:
         assert item["ok"], item["error"]

@@ -43,3 +43,20 @@ def test_console_script_and_entry_point_are_declared():
     deps = " ".join(project["dependencies"]).lower()
     assert "vllm" not in deps and "aiter" not in deps and "flydsl" not in deps
     assert any(d.startswith("vllm==") for d in project["optional-dependencies"]["test"])
+
+
+def test_no_command_overrides_vllms_cudagraph_warmup():
+    """vLLM warms up before graph capture on a GPU by itself (pinned in test_drift.py).
+
+    No documented command may pass ``cudagraph_num_of_warmups`` as if FlyDSL needed it.
+    """
+    docs = [
+        ROOT / "README.md",
+        *sorted((ROOT / "examples").glob("*.md")),
+        *sorted((ROOT / "examples").glob("*.sh")),
+    ]
+    for path in docs:
+        text = path.read_text()
+        assert '"cudagraph_num_of_warmups"' not in text, f"{path.name} passes cudagraph_num_of_warmups"
+    # The README says why instead.
+    assert "No compilation flag is needed." in (ROOT / "README.md").read_text()

@@ -12,12 +12,22 @@ import json
 import os
 import platform
 import sys
+import textwrap
 from typing import Any
 
 from vllm_flydsl_indexer import envs, gates, tuning
 from vllm_flydsl_indexer.kernels import MODEL_SHAPES, REPORT_BLOCK_SIZES, REPORT_NEXT_NS, KernelVariant
 
 NOT_INSTALLED = "not installed"
+# vLLM's KV cache layouts with the block dimension outside the layer dimension.
+BLOCK_OUTER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
+LAYOUT_VARIABLE = "VLLM_KV_CACHE_LAYOUT"
+LAYOUT_NOTE = (
+    "FlyDSL needs a layer-contiguous indexer cache (vLLM's default LBNHC, or LBHNC). A block-outer "
+    "layout (BLHNC, BLNHC, BHLNC) packs every layer's page inside each block, so each layer's indexer cache "
+    "is strided and every call stays stock: DeepSeek-V4/V4.1 and GLM-5-next (kpool tail cache) "
+    f"require one; {LAYOUT_VARIABLE} or a KV connector can choose one for DeepSeek-V3.2 and GLM-5.x."
+)
 # Distribution names to read versions from, first found wins. aiter's ROCm
 # wheels are published as amd-aiter; "aiter" on PyPI is an unrelated library.
 PACKAGES = {
@@ -104,6 +114,14 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     }
 
 
+def layout_report(environ: dict[str, str] | None) -> dict[str, Any]:
+    """What vLLM's KV cache layout means for FlyDSL, and whether this environment forces a bad one."""
+    env = os.environ if environ is None else environ
+    value = env.get(LAYOUT_VARIABLE) or None
+    block_outer = value is not None and value.strip().upper() in BLOCK_OUTER_LAYOUTS
+    return {"variable": value, "block_outer": block_outer, "note": LAYOUT_NOTE}
+
+
 def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
     decision = gates.evaluate(environ, full=True)
     switch = envs.read_flag(envs.SWITCH, environ)
@@ -124,6 +142,7 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
         "gates": [{"name": g.name, "ok": g.ok, "detail": g.detail} for g in decision.gates],
         "kernel": kernel_report(decision.variant),
         "tuned_table": table_report(decision, environ),
+        "kv_cache_layout": layout_report(environ),
         "arm": "flydsl" if decision.active else "stock",
         "reason": decision.reason,
         "log_line": decision.log_line(),
@@ -177,6 +196,13 @@ def render(data: dict[str, Any]) -> str:
                 f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
                 f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {buckets}"
             )
+    layout = data["kv_cache_layout"]
+    out += [""] + textwrap.wrap(
+        layout["note"], 100, break_on_hyphens=False, initial_indent="layout:   ", subsequent_indent=" " * 10
+    )
+    if layout["block_outer"]:
+        variable = f"{LAYOUT_VARIABLE}={layout['variable']}"
+        out.append(f"          {variable} is set here and is block-outer: every indexer call will stay stock")
     out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
     out += [f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in data["warnings"]]
