@@ -71,10 +71,20 @@ def test_a_bucket_goes_to_flydsl_only_if_every_context_length_says_so():
     assert t.choice(1, 40, 1, 32, 128, 64) == ("flydsl", 32)
 
 
+def test_aiters_own_table_lists_context_lengths_with_semicolons():
+    """aiter PR #6140's shipped table writes ``8192;32768`` in context_len: the table stays usable."""
+    t = parse(row(batch=64, ctx="8192;32768"), row(batch=16, ctx="8192;32768", backend="gluon"))
+    assert t.rows == 2
+    assert t.choice(1, 64, 1, 32, 128, 64) == ("flydsl", 64)
+    assert t.choice(1, 32, 1, 32, 128, 64) == ("gluon", 16)
+
+
 @pytest.mark.parametrize(
     "text,message",
     [
         (HEADER.replace(",wg_per_cu", "") + "\n", "missing column(s) wg_per_cu"),
+        (table_text(row(ctx="8192;x")), "line 2: invalid literal"),
+        (table_text(row(ctx=";")), "line 2: context_len is empty"),
         (table_text(row(), row(batch="x")), "line 3: invalid literal"),
         (table_text(row(), row(backend="triton")), "line 3: backend 'triton' is not flydsl or gluon"),
         (table_text(row(batch=0)), "line 2: sizes must be positive"),

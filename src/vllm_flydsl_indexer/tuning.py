@@ -55,7 +55,10 @@ COLUMNS = (
     "flydsl_us",
 )
 BACKENDS = ("flydsl", "gluon")
-INT_COLUMNS = ("cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size", "context_len")
+INT_COLUMNS = ("cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size")
+# aiter writes the context lengths a row was measured over as one int or a
+# ``;``-separated list (``8192;32768``, aiter PR #6140's shipped table).
+CONTEXT_LEN_SEPARATOR = ";"
 # Where an aiter without the dispatcher may still ship its measured table.
 AITER_TABLE = ("aiter", "configs/paged_mqa_logits_tuned.csv")
 
@@ -70,6 +73,13 @@ class TableError(ValueError):
 def arch_of(gcn_arch: str) -> str:
     """``gfx950:sramecc+:xnack-`` -> ``gfx950``."""
     return gcn_arch.split(":", 1)[0].strip()
+
+
+def _context_lens(text: str) -> list[int]:
+    values = [int(part) for part in (text or "").split(CONTEXT_LEN_SEPARATOR) if part.strip()]
+    if not values:
+        raise ValueError("context_len is empty")
+    return values
 
 
 def _bool(text: str) -> bool:
@@ -120,6 +130,7 @@ def parse(lines: Iterable[str], source: str, gfx: str) -> TunedTable:
         total += 1
         try:
             values = {c: int(row[c]) for c in INT_COLUMNS}
+            values["context_len"] = min(_context_lens(row["context_len"]))
             preshuffle = _bool(row["preshuffle"])
             backend = row["backend"].strip().lower()
             if backend not in BACKENDS:
