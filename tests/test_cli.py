@@ -177,6 +177,28 @@ def test_bench_cpu_reference_arms_json_csv(tmp_path):
         assert r["kv_mb"] == pytest.approx(2 * 1024 * 132 / 1e6)
     assert data["meta"]["device"] == "cpu"
     assert c.read_text().count("\n") == 4
+    lines = proc.stdout.splitlines()
+    assert f"bench: wrote JSON to {j}" in lines and f"bench: wrote CSV to {c}" in lines
+    assert "CPU timings show the harness working, not kernel speed" in proc.stdout
+
+
+def test_bench_names_every_file_it_writes(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from vllm_flydsl_indexer import bench
+
+    monkeypatch.chdir(tmp_path)
+    drawn = []
+    monkeypatch.setattr(bench, "plot", lambda results, meta, path: drawn.append(path))
+    result = bench.ArmResult(dict(bench.Shape(32, 128, 64, 1, 1, 1024).__dict__), "reference", False, "timed")
+    args = Namespace(json_path="r.json", csv_path="r.csv", plot_path="r.png")
+    lines = bench.write_outputs([result], {"device": "cpu"}, args)
+    assert lines == [
+        f"bench: wrote JSON to {tmp_path / 'r.json'}",
+        f"bench: wrote CSV to {tmp_path / 'r.csv'}",
+        f"bench: wrote the plot to {tmp_path / 'r.png'}",
+    ]
+    assert drawn == ["r.png"] and (tmp_path / "r.json").exists() and (tmp_path / "r.csv").exists()
 
 
 def test_bench_skips_pools_over_two_gib():

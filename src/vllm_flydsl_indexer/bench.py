@@ -49,6 +49,10 @@ from vllm_flydsl_indexer.reference import (
 )
 
 POOL_LIMIT_BYTES = 2**31  # FlyDSL's i32 offsets
+CPU_NOTE = (
+    "note: CPU timings show the harness working, not kernel speed "
+    "(the reference arms vary severalfold between identical runs)"
+)
 GPU_GRID = dict(
     heads=(64, 32),
     block_size=(1, 64),
@@ -367,15 +371,20 @@ def render(results: list[ArmResult], meta: dict) -> str:
         + (f" [{meta['arms_why']}]" if meta["arms_why"] else ""),
         f"repeats: {meta['repeats']}  input sets rotated: {meta['input_sets']}  measured copy bw: {copy}",
         "x base = median speedup over gluon where present, else over the reference",
-        "",
     ]
+    if meta["device"] == "cpu":
+        head.append(CPU_NOTE)
+    head.append("")
     return "\n".join(head + [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in rows])
 
 
-def write_outputs(results: list[ArmResult], meta: dict, args) -> None:
+def write_outputs(results: list[ArmResult], meta: dict, args) -> list[str]:
+    """Write the requested files; returns one line per file written, naming where."""
+    written = []
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+        written.append(f"bench: wrote JSON to {os.path.abspath(args.json_path)}")
     if args.csv_path:
         flat = [
             {**r.shape, **{k: v for k, v in asdict(r).items() if k not in ("shape", "extra")}}
@@ -385,8 +394,11 @@ def write_outputs(results: list[ArmResult], meta: dict, args) -> None:
             writer = csv.DictWriter(f, fieldnames=list(flat[0]))
             writer.writeheader()
             writer.writerows(flat)
+        written.append(f"bench: wrote CSV to {os.path.abspath(args.csv_path)}")
     if args.plot_path:
         plot(results, meta, args.plot_path)
+        written.append(f"bench: wrote the plot to {os.path.abspath(args.plot_path)}")
+    return written
 
 
 def plot(results: list[ArmResult], meta: dict, path: str) -> None:
@@ -424,7 +436,8 @@ def main(args) -> int:
         return tune.main(args)
     results, meta = run(args)
     print(render(results, meta))
-    write_outputs(results, meta, args)
+    for line in write_outputs(results, meta, args):
+        print(line)
     failed = [r for r in results if r.status.startswith("FAILED")]
     if failed:
         print(f"bench: {len(failed)} arm(s) failed the correctness gate and were not timed", file=sys.stderr)
