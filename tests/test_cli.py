@@ -64,6 +64,9 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     assert [g["ok"] for g in data["gates"]] == [False, True, True, True, True, True]
     strict = cli(["doctor", "--strict"], env)
     assert strict.returncode == 1 and "would not be active" in strict.stderr
+    text = cli(["doctor"], env).stdout
+    assert text.count(data["switch"]["error"]) == 1, text  # once, on gate 1; the rest points there
+    assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
 
 
 def test_doctor_with_vllm_but_not_rocm():
@@ -72,7 +75,13 @@ def test_doctor_with_vllm_but_not_rocm():
     assert data["arm"] == "stock"
     assert data["reason"].startswith("not ROCm")
     assert data["platform"]["gcn_arch"] is None
-    assert cli(["doctor"], env).returncode == 0
+    gfx950 = data["gates"][3]
+    assert gfx950["name"] == "gfx950" and gfx950["skipped"] and not gfx950["ok"]
+    assert not any(g["skipped"] for g in data["gates"][:3] + data["gates"][4:])
+    text = cli(["doctor"], env)
+    assert text.returncode == 0
+    assert "  4. gfx950  skipped (vLLM reads the arch only on ROCm)" in text.stdout
+    assert "FAIL not checked" not in text.stdout
     assert cli(["doctor", "--strict"], env).returncode == 1
 
 

@@ -121,7 +121,9 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
             "error": switch.error,
         },
         "verify": envs.read_flag(envs.VERIFY, environ).enabled,
-        "gates": [{"name": g.name, "ok": g.ok, "detail": g.detail} for g in decision.gates],
+        "gates": [
+            {"name": g.name, "ok": g.ok, "skipped": g.skipped, "detail": g.detail} for g in decision.gates
+        ],
         "kernel": kernel_report(decision.variant),
         "tuned_table": table_report(decision, environ),
         "arm": "flydsl" if decision.active else "stock",
@@ -140,14 +142,18 @@ def render(data: dict[str, Any]) -> str:
     shown = "unset" if sw["value"] is None else repr(sw["value"])
     parsed = "parsed" if sw["parsed"] else "DID NOT PARSE"
     out += [f"switch:   {sw['name']}={shown} ({parsed}, {'on' if sw['enabled'] else 'off'})", "", "gates:"]
-    first_failure_seen = False
+    deciding = None  # (number, name) of the first failing gate
     for i, g in enumerate(data["gates"], 1):
-        mark = "ok  " if g["ok"] else "FAIL"
+        if g.get("skipped"):
+            out.append(f"  {i}. {g['name']:<7} skipped ({g['detail']})")
+            continue
         note = ""
         if not g["ok"]:
-            note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
-            first_failure_seen = True
-        out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
+            note = "" if deciding is None else "  (after the deciding gate; report only)"
+            deciding = deciding or (i, g["name"])
+        out.append(f"  {i}. {g['name']:<7} {'ok  ' if g['ok'] else 'FAIL'} {g['detail']}{note}")
+    # Each gate's detail is printed once, above: the arm, log line and warnings point to it.
+    details = {g["detail"] for g in data["gates"]}
     kernel = data["kernel"]
     if kernel is not None:
         out += ["", f"kernel:   {kernel['variant']}: {kernel['description']} ({kernel['location']})"]
@@ -177,9 +183,13 @@ def render(data: dict[str, Any]) -> str:
                 f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
                 f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {buckets}"
             )
-    out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
-    out += [f"log line: {data['log_line']}"]
-    out += [f"warning:  {w}" for w in data["warnings"]]
+    reason, log_line = data["reason"], data["log_line"]
+    if deciding is not None and reason in details:
+        reason = f"gate {deciding[0]}, {deciding[1]}, above"
+        log_line = log_line.replace(data["reason"], f"<gate {deciding[0]}'s text above>")
+    out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({reason})"]
+    out += [f"log line: {log_line}"]
+    out += [f"warning:  {w}" for w in data["warnings"] if w not in details]
     return "\n".join(out)
 
 
