@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import os
 import subprocess
@@ -423,3 +424,44 @@ def test_numpy_is_a_dependency():
 
     project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
     assert "numpy" in [d.split(">")[0].split("=")[0].strip() for d in project["project"]["dependencies"]]
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run_progress(stream) -> str:
+    from vllm_flydsl_indexer.progress import Progress
+
+    with Progress(3, "check", stream) as progress:
+        for name in ("case a", "case b", "case c"):
+            progress.step(name)
+    return stream.getvalue()
+
+
+def test_progress_on_a_terminal_is_tqdm():
+    pytest.importorskip("tqdm")
+    text = run_progress(Terminal())
+    assert "check: 100%" in text and "3/3" in text and "case b" in text
+    assert "check [" not in text  # not the hand-drawn bar
+
+
+def test_progress_without_tqdm_draws_its_own_bar(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    text = run_progress(Terminal())
+    assert text.startswith("\r\033[Kcheck [........................] 1/3 case a")
+    assert "check [########################] 3/3 done in" in text
+
+
+def test_progress_in_a_log_is_one_plain_line_per_step():
+    lines = run_progress(io.StringIO()).splitlines()
+    assert lines[:3] == [
+        "check [........................] 1/3 case a",
+        "check [########................] 2/3 case b",
+        "check [################........] 3/3 case c",
+    ]
+    assert lines[3].startswith("check [########################] 3/3 done in") and len(lines) == 4
