@@ -67,6 +67,7 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     assert strict.returncode == 1 and "would not be active" in strict.stderr
     text = cli(["doctor"], env).stdout
     assert text.count(data["switch"]["error"]) == 1, text  # once, on gate 1; the rest points there
+    assert text.count("'maybe'") == 1, text
     assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
 
 

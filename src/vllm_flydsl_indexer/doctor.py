@@ -140,8 +140,11 @@ def render(data: dict[str, Any]) -> str:
     out += ["", f"platform: {plat['vllm_platform']}" + (f" ({plat['gcn_arch']})" if plat["gcn_arch"] else "")]
     sw = data["switch"]
     shown = "unset" if sw["value"] is None else repr(sw["value"])
-    parsed = "parsed" if sw["parsed"] else "DID NOT PARSE"
-    out += [f"switch:   {sw['name']}={shown} ({parsed}, {'on' if sw['enabled'] else 'off'})", "", "gates:"]
+    if sw["parsed"]:
+        switch = f"{sw['name']}={shown} (parsed, {'on' if sw['enabled'] else 'off'})"
+    else:  # the value and why it is refused: gate 1's text, printed once
+        switch = f"{sw['name']} DID NOT PARSE, off (gate 1 says why)"
+    out += [f"switch:   {switch}", "", "gates:"]
     deciding = None  # (number, name) of the first failing gate
     for i, g in enumerate(data["gates"], 1):
         if g.get("skipped"):
