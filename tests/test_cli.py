@@ -284,6 +284,8 @@ BAD_INPUT = [
     (["check", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
     (["check", "--device", "cuda"], "--device", "accepted here: cpu"),
     (["check", "--model", "llama"], "--model", "'glm-5'"),
+    (["check", "--seed", "-1"], "--seed", "[0, 2**32)"),
+    (["bench", "--seed", str(2**64)], "--seed", "[0, 2**32)"),
     (["check", "--next-n", "4", "--context-len", "2"], "--next-n", "<= --context-len"),
     (["bench", "--batch", "0,1"], "--batch", "comma list of positive integers"),
     (["bench", "--heads", "x"], "--heads", "comma list of positive integers"),

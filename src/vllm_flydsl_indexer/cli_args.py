@@ -34,6 +34,7 @@ BENCH_ARMS = (
     "reference",
 )
 DEVICES = "cpu, cuda or cuda:N"
+SEED_LIMIT = 2**32  # each case adds its index; torch takes seeds below 2**64
 PLOT_HINT = "pip install matplotlib, or pip install -e '.[plot]' in the clone"
 
 
@@ -71,6 +72,13 @@ def non_negative_int(text: str) -> int:
     value = _int(text)
     if value is None or value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = _int(text)
+    if value is None or not 0 <= value < SEED_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
     return value
 
 
@@ -151,7 +159,7 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help="compare reference contracts even on gfx950")
     p.add_argument("--topk", type=positive_int, default=2048, help="top-k compared per row (default 2048)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -193,7 +201,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=positive_int, help="timed iterations (default 20 GPU, 3 CPU)")
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed, default=0)
     p.add_argument("--json", dest="json_path", type=output_path, help="write results as JSON")
     p.add_argument("--csv", dest="csv_path", type=output_path, help="write results as CSV")
     p.add_argument(
