@@ -133,6 +133,21 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
     }
 
 
+def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` whose reason, log line and warnings point to the gate that prints their text.
+
+    Each gate's text is printed once, on its gate line (a bad switch value, say).
+    """
+    details = {g["detail"] for g in data["gates"]}
+    data = dict(data, warnings=[w for w in data["warnings"] if w not in details])
+    failing = [(i, g) for i, g in enumerate(data["gates"], 1) if not g["ok"] and not g.get("skipped")]
+    if failing and data["reason"] == failing[0][1]["detail"]:
+        i, gate = failing[0]
+        data["log_line"] = data["log_line"].replace(data["reason"], f"<gate {i}'s text above>")
+        data["reason"] = f"gate {i}, {gate['name']}, above"
+    return data
+
+
 def render(data: dict[str, Any]) -> str:
     out = ["vllm-flydsl-indexer doctor", "", "versions:"]
     out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
@@ -145,18 +160,18 @@ def render(data: dict[str, Any]) -> str:
     else:  # the value and why it is refused: gate 1's text, printed once
         switch = f"{sw['name']} DID NOT PARSE, off (gate 1 says why)"
     out += [f"switch:   {switch}", "", "gates:"]
-    deciding = None  # (number, name) of the first failing gate
+    first_failure_seen = False
     for i, g in enumerate(data["gates"], 1):
         if g.get("skipped"):
             out.append(f"  {i}. {g['name']:<7} skipped ({g['detail']})")
             continue
+        mark = "ok  " if g["ok"] else "FAIL"
         note = ""
         if not g["ok"]:
-            note = "" if deciding is None else "  (after the deciding gate; report only)"
-            deciding = deciding or (i, g["name"])
-        out.append(f"  {i}. {g['name']:<7} {'ok  ' if g['ok'] else 'FAIL'} {g['detail']}{note}")
-    # Each gate's detail is printed once, above: the arm, log line and warnings point to it.
-    details = {g["detail"] for g in data["gates"]}
+            note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
+            first_failure_seen = True
+        out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
+    data = _pointing_to_gates(data)
     kernel = data["kernel"]
     if kernel is not None:
         out += ["", f"kernel:   {kernel['variant']}: {kernel['description']} ({kernel['location']})"]
@@ -186,13 +201,9 @@ def render(data: dict[str, Any]) -> str:
                 f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
                 f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {buckets}"
             )
-    reason, log_line = data["reason"], data["log_line"]
-    if deciding is not None and reason in details:
-        reason = f"gate {deciding[0]}, {deciding[1]}, above"
-        log_line = log_line.replace(data["reason"], f"<gate {deciding[0]}'s text above>")
-    out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({reason})"]
-    out += [f"log line: {log_line}"]
-    out += [f"warning:  {w}" for w in data["warnings"] if w not in details]
+    out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
+    out += [f"log line: {data['log_line']}"]
+    out += [f"warning:  {w}" for w in data["warnings"]]
     return "\n".join(out)
 
 
