@@ -14,6 +14,7 @@ import importlib
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,56 @@ def call_site_or_skip(name: str):
     if module is None:
         pytest.skip(f"this vLLM cannot import the call-site module {name}")
     return module
+
+
+# The aiter double's modules whose content depends on $AITER_DOUBLE_FLYDSL / $AITER_DOUBLE_DISPATCHER.
+AITER_DOUBLE_MODULES = (
+    "aiter.ops.flydsl",
+    "aiter.ops.flydsl.kernels",
+    "aiter.ops.flydsl.kernels.mqa_logits",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q",
+    "aiter.paged_mqa_logits",
+)
+
+
+def bind_module(name: str, module: types.ModuleType | None) -> None:
+    """Point ``sys.modules`` and the parent package's attribute at the same ``module``.
+
+    ``None`` removes both, so the next import loads the module afresh.
+    """
+    parent_name, _, child = name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if module is None:
+        sys.modules.pop(name, None)
+        if parent is not None and hasattr(parent, child):
+            delattr(parent, child)
+    else:
+        sys.modules[name] = module
+        if parent is not None:
+            setattr(parent, child, module)
+
+
+@pytest.fixture
+def aiter_as(monkeypatch):
+    """Make the aiter double look like one revision: ``aiter_as(flydsl=..., dispatcher=...)``.
+
+    The double's modules are re-imported under the new settings; afterwards the
+    originals go back into ``sys.modules`` *and* onto their parent packages, so
+    ``import a.b as m`` and ``importlib.import_module("a.b")`` agree again.
+    """
+    originals = {name: sys.modules.get(name) for name in AITER_DOUBLE_MODULES}
+
+    def configure(flydsl: str = "general", dispatcher: bool = False) -> None:
+        monkeypatch.setenv("AITER_DOUBLE_FLYDSL", flydsl)
+        monkeypatch.setenv("AITER_DOUBLE_DISPATCHER", "1" if dispatcher else "0")
+        for name in reversed(AITER_DOUBLE_MODULES):
+            bind_module(name, None)
+
+    yield configure
+    for name in AITER_DOUBLE_MODULES:
+        bind_module(name, originals[name])
 
 
 def run_python(code: str, env: dict, timeout: int = 240) -> subprocess.CompletedProcess:

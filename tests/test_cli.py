@@ -4,20 +4,26 @@
 from __future__ import annotations
 
 import importlib.metadata
+import io
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import vllm_flydsl_indexer
 from conftest import DOUBLES, simulation_env
 from vllm_flydsl_indexer import envs
 
 CLI = [sys.executable, "-m", "vllm_flydsl_indexer"]
+# The package under test, also in subprocesses (whatever copy the venv has installed).
+PACKAGE_ROOT = str(Path(vllm_flydsl_indexer.__file__).resolve().parents[1])
 
 
 def cli(args, env, timeout=300):
+    env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), PACKAGE_ROOT]))}
     return subprocess.run(CLI + args, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -59,6 +65,10 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     assert [g["ok"] for g in data["gates"]] == [False, True, True, True, True, True]
     strict = cli(["doctor", "--strict"], env)
     assert strict.returncode == 1 and "would not be active" in strict.stderr
+    text = cli(["doctor"], env).stdout
+    assert text.count(data["switch"]["error"]) == 1, text  # once, on gate 1; the rest points there
+    assert text.count("'maybe'") == 1, text
+    assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
 
 
 def test_doctor_with_vllm_but_not_rocm():
@@ -67,7 +77,13 @@ def test_doctor_with_vllm_but_not_rocm():
     assert data["arm"] == "stock"
     assert data["reason"].startswith("not ROCm")
     assert data["platform"]["gcn_arch"] is None
-    assert cli(["doctor"], env).returncode == 0
+    gfx950 = data["gates"][3]
+    assert gfx950["name"] == "gfx950" and gfx950["skipped"] and not gfx950["ok"]
+    assert not any(g["skipped"] for g in data["gates"][:3] + data["gates"][4:])
+    text = cli(["doctor"], env)
+    assert text.returncode == 0
+    assert "  4. gfx950  skipped (vLLM reads the arch only on ROCm)" in text.stdout
+    assert "FAIL not checked" not in text.stdout
     assert cli(["doctor", "--strict"], env).returncode == 1
 
 
@@ -178,6 +194,28 @@ def test_bench_cpu_reference_arms_json_csv(tmp_path):
         assert r["kv_mb"] == pytest.approx(2 * 1024 * 132 / 1e6)
     assert data["meta"]["device"] == "cpu"
     assert c.read_text().count("\n") == 4
+    lines = proc.stdout.splitlines()
+    assert f"bench: wrote JSON to {j}" in lines and f"bench: wrote CSV to {c}" in lines
+    assert "CPU timings show the harness working, not kernel speed" in proc.stdout
+
+
+def test_bench_names_every_file_it_writes(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from vllm_flydsl_indexer import bench
+
+    monkeypatch.chdir(tmp_path)
+    drawn = []
+    monkeypatch.setattr(bench, "plot", lambda results, meta, path: drawn.append(path))
+    result = bench.ArmResult(dict(bench.Shape(32, 128, 64, 1, 1, 1024).__dict__), "reference", False, "timed")
+    args = Namespace(json_path="r.json", csv_path="r.csv", plot_path="r.png")
+    lines = bench.write_outputs([result], {"device": "cpu"}, args)
+    assert lines == [
+        f"bench: wrote JSON to {tmp_path / 'r.json'}",
+        f"bench: wrote CSV to {tmp_path / 'r.csv'}",
+        f"bench: wrote the plot to {tmp_path / 'r.png'}",
+    ]
+    assert drawn == ["r.png"] and (tmp_path / "r.json").exists() and (tmp_path / "r.csv").exists()
 
 
 def test_bench_skips_pools_over_two_gib():
@@ -193,3 +231,246 @@ def test_python_m_entry_and_console_script_agree():
     b = cli(["doctor", "--json"], no_vllm_env())
     assert a.returncode == b.returncode == 0
     assert json.loads(a.stdout)["reason"] == json.loads(b.stdout)["reason"]
+
+
+# ---------------------------------------------------------------- bad input: one line, before any work
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """check.main and bench.main replaced: records the arguments that reached them."""
+    from vllm_flydsl_indexer import bench, check
+
+    reached = []
+
+    def record(args):
+        reached.append(args)
+        return 0
+
+    monkeypatch.setattr(check, "main", record)
+    monkeypatch.setattr(bench, "main", record)
+    return reached
+
+
+def no_gpu(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+def rejected(argv, capsys) -> str:
+    """Run the CLI on ``argv``; assert exit 2 with one stderr line and return that line."""
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_mod.main(argv)
+    out = capsys.readouterr()
+    assert exit_info.value.code == 2
+    assert out.out == ""
+    lines = out.err.splitlines()
+    assert len(lines) == 1, out.err
+    assert "Traceback" not in out.err
+    return lines[0]
+
+
+BAD_INPUT = [
+    # (argv, the argument named, a piece of the accepted values)
+    (["check", "--batch", "-3"], "--batch", "positive integer"),
+    (["check", "--batch", "0"], "--batch", "positive integer"),
+    (["check", "--context-len", "0"], "--context-len", "positive integer"),
+    (["check", "--context-len", "1.5"], "--context-len", "positive integer"),
+    (["check", "--topk", "-1"], "--topk", "positive integer"),
+    (["check", "--next-n", "1,x"], "--next-n", "comma list of positive integers"),
+    (["check", "--next-n", ""], "--next-n", "comma list of positive integers"),
+    (["check", "--next-n", "0"], "--next-n", "comma list of positive integers"),
+    (["check", "--block-size", "8"], "--block-size", "each 1 or a multiple of 16"),
+    (["check", "--block-size", "64,"], None, None),  # a trailing comma is fine
+    (["check", "--block-size", "64,x"], "--block-size", "each 1 or a multiple of 16"),
+    (["check", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
+    (["check", "--device", "cuda"], "--device", "accepted here: cpu"),
+    (["check", "--model", "llama"], "--model", "'glm-5'"),
+    (["check", "--seed", "-1"], "--seed", "[0, 2**32)"),
+    (["bench", "--seed", str(2**64)], "--seed", "[0, 2**32)"),
+    (["check", "--next-n", "4", "--context-len", "2"], "--next-n", "<= --context-len"),
+    (["bench", "--batch", "0,1"], "--batch", "comma list of positive integers"),
+    (["bench", "--heads", "x"], "--heads", "comma list of positive integers"),
+    (["bench", "--context-len", "4096,-1"], "--context-len", "comma list of positive integers"),
+    (["bench", "--next-n", "1,,x"], "--next-n", "comma list of positive integers"),
+    (["bench", "--block-size", "0"], "--block-size", "each 1 or a multiple of 16"),
+    (["bench", "--head-dim", "100"], "--head-dim", "multiple of 16"),
+    (["bench", "--repeats", "0"], "--repeats", "positive integer"),
+    (["bench", "--warmup", "-1"], "--warmup", ">= 0"),
+    (["bench", "--input-sets", "0"], "--input-sets", "positive integer"),
+    (["bench", "--pool-blocks", "-5"], "--pool-blocks", "positive integer"),
+    (["bench", "--arms", "gluon,fast"], "--arms", "patched-call[ref]"),
+    (["bench", "--device", "cuda:1"], "--device", "accepted here: cpu"),
+    (["bench", "--plot", "/nonexistent/dir/x.png"], "--plot", "does not exist"),
+    (["bench", "--json", "/nonexistent/dir/x.json"], "--json", "does not exist"),
+    (["bench", "--csv", "/nonexistent/dir/x.csv"], "--csv", "does not exist"),
+    (["bench", "--tune", "/nonexistent/dir/t.csv"], "--tune", "does not exist"),
+    (["bench", "--batch", "1", "--context-len", "64,1", "--next-n", "2"], "--next-n", "<= --context-len"),
+]
+
+
+@pytest.mark.parametrize("argv,argument,accepted", BAD_INPUT, ids=[" ".join(c[0]) for c in BAD_INPUT])
+def test_bad_input_is_one_line_naming_the_argument_before_any_work(
+    argv, argument, accepted, no_work, monkeypatch, capsys
+):
+    no_gpu(monkeypatch)
+    if argument is None:  # the control: accepted input reaches the command
+        from vllm_flydsl_indexer import cli as cli_mod
+
+        assert cli_mod.main(argv) == 0 and len(no_work) == 1
+        return
+    line = rejected(argv, capsys)
+    assert line.startswith(f"vllm-flydsl-indexer {argv[0]}: error: argument {argument}: "), line
+    assert accepted in line
+    assert no_work == []
+
+
+def test_output_directory_must_be_writable(tmp_path, no_work, monkeypatch, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access  # root writes anywhere, so the directory's mode alone cannot show it
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and str(p) != str(locked))
+    line = rejected(["bench", "--csv", str(locked / "b.csv")], capsys)
+    assert "argument --csv: directory" in line and "is not writable" in line
+    assert rejected(["bench", "--json", str(tmp_path)], capsys).startswith(
+        "vllm-flydsl-indexer bench: error: argument --json: must be a file path"
+    )
+    assert no_work == []
+
+
+def test_plot_needs_matplotlib_before_any_work(tmp_path, no_work, monkeypatch, capsys):
+    import types
+
+    path = str(tmp_path / "p.png")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not importable
+    line = rejected(["bench", "--device", "cpu", "--plot", path], capsys)
+    assert "argument --plot: needs matplotlib" in line and "pip install matplotlib" in line
+    assert no_work == []
+    monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    assert cli_mod.main(["bench", "--device", "cpu", "--plot", path]) == 0
+    assert [a.plot_path for a in no_work] == [path]
+
+
+def test_present_devices_are_accepted_and_absent_ones_named(no_work, monkeypatch, capsys):
+    import torch
+
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for device in ("cpu", "cuda", "cuda:0", "cuda:1"):
+        assert cli_mod.main(["check", "--device", device]) == 0
+    assert [a.device for a in no_work] == ["cpu", "cuda", "cuda:0", "cuda:1"]
+    line = rejected(["check", "--device", "cuda:2"], capsys)
+    assert line.endswith("accepted here: cpu, cuda, cuda:0, cuda:1"), line
+
+
+def test_valid_values_reach_the_commands_parsed(no_work, monkeypatch):
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    no_gpu(monkeypatch)
+    argv = ["check", "--batch", "3", "--next-n", "1,2", "--block-size", "1,64", "--context-len", "256"]
+    assert cli_mod.main(argv) == 0
+    args = no_work[-1]
+    assert (args.batch, args.next_n, args.block_size, args.context_len) == (3, (1, 2), (1, 64), 256)
+    assert cli_mod.main(["bench", "--batch", "1,4", "--arms", "reference, stock-call[ref]"]) == 0
+    assert no_work[-1].batch == (1, 4) and no_work[-1].arms == "reference,stock-call[ref]"
+
+
+def test_missing_command_is_one_line_naming_the_commands(capsys):
+    line = rejected([], capsys)
+    assert line == "vllm-flydsl-indexer: error: the following arguments are required: {doctor,check,bench}"
+
+
+@pytest.mark.parametrize(
+    "argv", [["check", "--batch", "-3"], ["bench", "--plot", "/nonexistent/dir/x.png"]], ids=" ".join
+)
+def test_console_bad_input_exits_2_with_one_line_and_no_traceback(argv):
+    proc = cli(argv, no_vllm_env(), timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert len(proc.stderr.splitlines()) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"argument {argv[1]}:" in proc.stderr
+
+
+def test_check_models_named_by_the_parser_are_checks_models():
+    from vllm_flydsl_indexer import check, cli_args
+
+    assert cli_args.CHECK_MODELS == tuple(check.MODELS)
+
+
+# ---------------------------------------------------------------- fast --help
+
+
+def test_parser_and_help_import_no_torch():
+    code = (
+        "import sys\n"
+        "import vllm_flydsl_indexer.cli as c\n"
+        "c.build_parser()\n"
+        "for argv in (['--help'], ['doctor', '--help'], ['check', '--help'], ['bench', '--help']):\n"
+        "    try:\n"
+        "        c.main(argv)\n"
+        "    except SystemExit as e:\n"
+        "        assert e.code == 0, e.code\n"
+        "assert 'torch' not in sys.modules, 'building the parser imported torch'\n"
+        "print('ok')\n"
+    )
+    env = no_vllm_env()
+    env["PYTHONPATH"] += os.pathsep + PACKAGE_ROOT
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.endswith("ok\n"), proc.stderr[-2000:]
+
+
+def test_numpy_is_a_dependency():
+    """torch warns "Failed to initialize NumPy" on every command without it."""
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    assert "numpy" in [d.split(">")[0].split("=")[0].strip() for d in project["project"]["dependencies"]]
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def run_progress(stream) -> str:
+    from vllm_flydsl_indexer.progress import Progress
+
+    with Progress(3, "check", stream) as progress:
+        for name in ("case a", "case b", "case c"):
+            progress.step(name)
+    return stream.getvalue()
+
+
+def test_progress_on_a_terminal_is_tqdm():
+    pytest.importorskip("tqdm")
+    text = run_progress(Terminal())
+    assert "check: 100%" in text and "3/3" in text and "case b" in text
+    assert "check [" not in text  # not the hand-drawn bar
+
+
+def test_progress_without_tqdm_draws_its_own_bar(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    text = run_progress(Terminal())
+    assert text.startswith("\r\033[Kcheck [........................] 1/3 case a")
+    assert "check [########################] 3/3 done in" in text
+
+
+def test_progress_in_a_log_is_one_plain_line_per_step():
+    lines = run_progress(io.StringIO()).splitlines()
+    assert lines[:3] == [
+        "check [........................] 1/3 case a",
+        "check [########................] 2/3 case b",
+        "check [################........] 3/3 case c",
+    ]
+    assert lines[3].startswith("check [########################] 3/3 done in") and len(lines) == 4

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-import sys
 import types
 
 import pytest
@@ -29,51 +28,7 @@ from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.reference import make_paged_problem
 
 ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")
-DOUBLE_MODULES = (
-    "aiter.ops.flydsl",
-    "aiter.ops.flydsl.kernels",
-    "aiter.ops.flydsl.kernels.mqa_logits",
-    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
-    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950",
-    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q",
-    "aiter.paged_mqa_logits",
-)
 SYNC_OPS = {"aiter::_local_scalar_dense", "aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
-
-
-def _bind(name: str, module: types.ModuleType | None) -> None:
-    """Point ``sys.modules`` and the parent package's attribute at the same ``module``."""
-    parent_name, _, child = name.rpartition(".")
-    parent = sys.modules.get(parent_name)
-    if module is None:
-        sys.modules.pop(name, None)
-        if parent is not None and hasattr(parent, child):
-            delattr(parent, child)
-    else:
-        sys.modules[name] = module
-        if parent is not None:
-            setattr(parent, child, module)
-
-
-@pytest.fixture
-def aiter_as(monkeypatch):
-    """Make the aiter double look like one revision: ``aiter_as(flydsl=..., dispatcher=...)``.
-
-    The double's modules are re-imported under the new settings; afterwards the
-    originals go back into ``sys.modules`` *and* onto their parent packages, so
-    ``import a.b as m`` and ``importlib.import_module("a.b")`` agree again.
-    """
-    originals = {name: sys.modules.get(name) for name in DOUBLE_MODULES}
-
-    def configure(flydsl: str = "general", dispatcher: bool = False) -> None:
-        monkeypatch.setenv("AITER_DOUBLE_FLYDSL", flydsl)
-        monkeypatch.setenv("AITER_DOUBLE_DISPATCHER", "1" if dispatcher else "0")
-        for name in reversed(DOUBLE_MODULES):
-            _bind(name, None)
-
-    yield configure
-    for name in DOUBLE_MODULES:
-        _bind(name, originals[name])
 
 
 def gfx950_module():

@@ -47,6 +47,10 @@ from vllm_flydsl_indexer.reference import (
 )
 
 POOL_LIMIT_BYTES = 2**31  # FlyDSL's i32 offsets
+CPU_NOTE = (
+    "note: CPU timings show the harness working, not kernel speed "
+    "(the reference arms vary severalfold between identical runs)"
+)
 GPU_GRID = dict(
     heads=(64, 32),
     block_size=(1, 64),
@@ -55,49 +59,6 @@ GPU_GRID = dict(
     context_len=(4096, 32768, 131072),
 )
 CPU_GRID = dict(heads=(64, 32), block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x)
-
-
-def add_arguments(p) -> None:
-    p.add_argument("--heads", type=_ints, help="comma list (default 64,32)")
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=_ints, help="comma list; >1 means preshuffle (default 1,64)")
-    p.add_argument("--next-n", type=_ints, help="comma list (default 1,2)")
-    p.add_argument("--batch", type=_ints, help="comma list (default 1,8,32,128 on GPU; 1,4 on CPU)")
-    p.add_argument(
-        "--context-len", type=_ints, help="comma list (default 4096,32768,131072 on GPU; 4096 on CPU)"
-    )
-    p.add_argument(
-        "--vary-lengths", action="store_true", help="random lengths in [ctx/2, ctx] (default: exact)"
-    )
-    p.add_argument(
-        "--input-sets", type=int, help="input sets rotated between iterations (default 4 GPU, 2 CPU)"
-    )
-    p.add_argument(
-        "--pool-blocks",
-        type=int,
-        help="opt-in cache study: share a pool of this many physical blocks (kv_mb shrinks)",
-    )
-    p.add_argument("--arms", help="comma list to run a subset of the available arms")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, help="timed iterations (default 20 GPU, 3 CPU)")
-    p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", dest="json_path", help="write results as JSON")
-    p.add_argument("--csv", dest="csv_path", help="write results as CSV")
-    p.add_argument(
-        "--plot", dest="plot_path", help="PNG: speedup of each arm over gluon/reference (matplotlib)"
-    )
-    p.add_argument(
-        "--tune",
-        dest="tune_path",
-        metavar="OUT.csv",
-        help="time Gluon vs FlyDSL per shape (gfx950) and merge the winners into an aiter-format tuned CSV",
-    )
 
 
 @dataclass
@@ -416,15 +377,20 @@ def render(results: list[ArmResult], meta: dict) -> str:
         f"stock: {meta['stock']}",
         f"repeats: {meta['repeats']}  input sets rotated: {meta['input_sets']}  measured copy bw: {copy}",
         "x base = median speedup over gluon where present, else over the reference",
-        "",
     ]
+    if meta["device"] == "cpu":
+        head.append(CPU_NOTE)
+    head.append("")
     return "\n".join(head + [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in rows])
 
 
-def write_outputs(results: list[ArmResult], meta: dict, args) -> None:
+def write_outputs(results: list[ArmResult], meta: dict, args) -> list[str]:
+    """Write the requested files; returns one line per file written, naming where."""
+    written = []
     if args.json_path:
         with open(args.json_path, "w") as f:
             json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+        written.append(f"bench: wrote JSON to {os.path.abspath(args.json_path)}")
     if args.csv_path:
         flat = [
             {**r.shape, **{k: v for k, v in asdict(r).items() if k not in ("shape", "extra")}}
@@ -434,8 +400,11 @@ def write_outputs(results: list[ArmResult], meta: dict, args) -> None:
             writer = csv.DictWriter(f, fieldnames=list(flat[0]))
             writer.writeheader()
             writer.writerows(flat)
+        written.append(f"bench: wrote CSV to {os.path.abspath(args.csv_path)}")
     if args.plot_path:
         plot(results, meta, args.plot_path)
+        written.append(f"bench: wrote the plot to {os.path.abspath(args.plot_path)}")
+    return written
 
 
 def plot(results: list[ArmResult], meta: dict, path: str) -> None:
@@ -473,7 +442,8 @@ def main(args) -> int:
         return tune.main(args)
     results, meta = run(args)
     print(render(results, meta))
-    write_outputs(results, meta, args)
+    for line in write_outputs(results, meta, args):
+        print(line)
     failed = [r for r in results if r.status.startswith("FAILED")]
     if failed:
         print(f"bench: {len(failed)} arm(s) failed the correctness gate and were not timed", file=sys.stderr)

@@ -139,7 +139,9 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
             "error": switch.error,
         },
         "verify": envs.read_flag(envs.VERIFY, environ).enabled,
-        "gates": [{"name": g.name, "ok": g.ok, "detail": g.detail} for g in decision.gates],
+        "gates": [
+            {"name": g.name, "ok": g.ok, "skipped": g.skipped, "detail": g.detail} for g in decision.gates
+        ],
         "kernel": kernel_report(decision.variant),
         "tuned_table": table_report(decision, environ),
         "kv_cache_layout": layout_report(environ),
@@ -150,6 +152,21 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
     }
 
 
+def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` whose reason, log line and warnings point to the gate that prints their text.
+
+    Each gate's text is printed once, on its gate line (a bad switch value, say).
+    """
+    details = {g["detail"] for g in data["gates"]}
+    data = dict(data, warnings=[w for w in data["warnings"] if w not in details])
+    failing = [(i, g) for i, g in enumerate(data["gates"], 1) if not g["ok"] and not g.get("skipped")]
+    if failing and data["reason"] == failing[0][1]["detail"]:
+        i, gate = failing[0]
+        data["log_line"] = data["log_line"].replace(data["reason"], f"<gate {i}'s text above>")
+        data["reason"] = f"gate {i}, {gate['name']}, above"
+    return data
+
+
 def render(data: dict[str, Any]) -> str:
     out = ["vllm-flydsl-indexer doctor", "", "versions:"]
     out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
@@ -157,16 +174,23 @@ def render(data: dict[str, Any]) -> str:
     out += ["", f"platform: {plat['vllm_platform']}" + (f" ({plat['gcn_arch']})" if plat["gcn_arch"] else "")]
     sw = data["switch"]
     shown = "unset" if sw["value"] is None else repr(sw["value"])
-    parsed = "parsed" if sw["parsed"] else "DID NOT PARSE"
-    out += [f"switch:   {sw['name']}={shown} ({parsed}, {'on' if sw['enabled'] else 'off'})", "", "gates:"]
+    if sw["parsed"]:
+        switch = f"{sw['name']}={shown} (parsed, {'on' if sw['enabled'] else 'off'})"
+    else:  # the value and why it is refused: gate 1's text, printed once
+        switch = f"{sw['name']} DID NOT PARSE, off (gate 1 says why)"
+    out += [f"switch:   {switch}", "", "gates:"]
     first_failure_seen = False
     for i, g in enumerate(data["gates"], 1):
+        if g.get("skipped"):
+            out.append(f"  {i}. {g['name']:<7} skipped ({g['detail']})")
+            continue
         mark = "ok  " if g["ok"] else "FAIL"
         note = ""
         if not g["ok"]:
             note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
             first_failure_seen = True
         out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
+    data = _pointing_to_gates(data)
     kernel = data["kernel"]
     if kernel is not None:
         out += ["", f"kernel:   {kernel['variant']}: {kernel['description']} ({kernel['location']})"]

@@ -40,6 +40,8 @@ class Gate:
     name: str
     ok: bool
     detail: str
+    # Not evaluated because an earlier gate it depends on failed (never the deciding gate).
+    skipped: bool = False
 
 
 @dataclass
@@ -135,18 +137,19 @@ def gcn_arch() -> str | None:
         return None
 
 
+_GFX950_SKIPPED = Gate("gfx950", False, "vLLM reads the arch only on ROCm", skipped=True)
+
+
 def _check_platform() -> tuple[Gate, Gate]:
     try:
         from vllm.platforms import current_platform
 
         is_rocm = bool(current_platform.is_rocm())
     except Exception as e:  # noqa: BLE001 - report, never raise into vLLM
-        return Gate("rocm", False, f"vLLM platform unavailable ({type(e).__name__}: {e})"), Gate(
-            "gfx950", False, "not checked"
-        )
+        return Gate("rocm", False, f"vLLM platform unavailable ({type(e).__name__}: {e})"), _GFX950_SKIPPED
     if not is_rocm:
         name = type(current_platform).__name__
-        return Gate("rocm", False, f"not ROCm (vLLM platform: {name})"), Gate("gfx950", False, "not checked")
+        return Gate("rocm", False, f"not ROCm (vLLM platform: {name})"), _GFX950_SKIPPED
     rocm = Gate("rocm", True, "vLLM platform is ROCm")
     try:
         from vllm.platforms.rocm import _GCN_ARCH, on_gfx950

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A dependency-free progress bar on stderr."""
+"""Progress on stderr: tqdm's bar on a terminal, one plain line per step elsewhere."""
 
 from __future__ import annotations
 
@@ -9,8 +9,21 @@ import time
 BAR_WIDTH = 24
 
 
+def _tqdm(total: int, label: str, stream):
+    """A tqdm bar (tqdm comes with vLLM), or ``None`` where tqdm is not importable."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=label, file=stream, unit="case", dynamic_ncols=True, leave=True)
+
+
 class Progress:
-    """``with Progress(n, label) as p: p.step(text)``; redraws in place on a TTY."""
+    """``with Progress(n, label) as p: p.step(text)``; ``step`` announces the next of ``n`` steps.
+
+    On a TTY: tqdm's bar, or a hand-drawn one redrawn in place without tqdm. In
+    a log or a pipe: one plain line per step, and a last line with the time taken.
+    """
 
     def __init__(self, total: int, label: str, stream=None):
         self.total = total
@@ -19,11 +32,17 @@ class Progress:
         self.done = 0
         self.start = time.monotonic()
         self.tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.bar = _tqdm(total, label, self.stream) if self.tty else None
 
     def __enter__(self) -> Progress:
         return self
 
     def step(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.update(self.done - self.bar.n)  # the steps before this one are finished
+            self.bar.set_postfix_str(text)
+            self.done += 1
+            return
         filled = BAR_WIDTH * self.done // max(self.total, 1)
         bar = "#" * filled + "." * (BAR_WIDTH - filled)
         line = f"{self.label} [{bar}] {self.done + 1}/{self.total} {text}"
@@ -35,6 +54,11 @@ class Progress:
         self.done += 1
 
     def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.update(self.done - self.bar.n)
+            self.bar.set_postfix_str("")
+            self.bar.close()
+            return
         elapsed = time.monotonic() - self.start
         end = f"{self.label} [{'#' * BAR_WIDTH}] {self.done}/{self.total} done in {elapsed:.1f}s"
         self.stream.write(("\r\033[K" if self.tty else "") + end + "\n")
