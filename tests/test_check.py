@@ -192,3 +192,55 @@ def test_a_patched_call_that_raises_where_stock_does_not_fails(target, workspace
     rc, out = run_check(capsys)
     assert rc == 1
     assert "FAIL heads=24 (no kernel takes it): the patched call raised RuntimeError: router bug" in out
+
+
+@pytest.mark.parametrize("flydsl,dispatcher", [("general", False), ("gfx950", False), ("gfx950", True)])
+def test_check_applies_the_found_variants_contract(
+    flydsl, dispatcher, aiter_as, target, workspace, monkeypatch, capsys
+):
+    """With each kernel variant's double as the FlyDSL arm, check's expected arms follow that variant."""
+    from vllm_flydsl_indexer import arms as arms_module
+    from vllm_flydsl_indexer import check, kernels
+    from vllm_flydsl_indexer.reference import gluon_contract_reference
+
+    aiter_as(flydsl=flydsl, dispatcher=dispatcher)
+    variant = kernels.find_kernel().variant
+    assert variant is not None and variant.name == ("dispatcher" if dispatcher else flydsl)
+    found = arms_module.Arms(
+        False, f"doubles ({variant.name})", "", gluon_contract_reference, variant.fn, variant
+    )
+    monkeypatch.setattr(check, "detect_arms", lambda device, force_reference=False: found)
+    rc, out = run_check(capsys)
+    assert rc == 0, out
+    rows = {line.split("  ")[0]: line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))}
+    deepseek = rows["DeepSeek-V3.2 KVB=64 preshuffle next_n=1"]
+    plain = rows["GLM-5.x/DSV4.1 KVB=1 plain next_n=1"]
+    if variant.name == "gfx950":  # 32 heads, KVB 64 with preshuffle only
+        assert " stock     stock " in deepseek and " stock     stock " in plain
+    else:
+        assert " FlyDSL    FlyDSL " in deepseek and " FlyDSL    FlyDSL " in plain
+    assert " FlyDSL    FlyDSL " in rows["GLM-5.x/DSV4.1 KVB=64 preshuffle next_n=2"]
+
+
+def test_check_fails_a_flydsl_arm_that_writes_past_the_read_windows(target, workspace, monkeypatch, capsys):
+    """FlyDSL writes exactly the read columns (hence no -inf prefill): check holds it to that."""
+    from vllm_flydsl_indexer import arms as arms_module
+    from vllm_flydsl_indexer import check, reference
+
+    def prefilling(q, kv, w, out, *args, **kwargs):
+        out.fill_(float("-inf"))
+        return reference.flydsl_contract_reference(q, kv, w, out, *args, **kwargs)
+
+    real_detect = arms_module.detect_arms
+
+    def detect(device, force_reference=False):
+        found = real_detect(device, force_reference)
+        found.flydsl = prefilling
+        return found
+
+    monkeypatch.setattr(check, "detect_arms", detect)
+    rc, out = run_check(capsys)
+    assert rc == 1
+    assert (
+        "FAIL GLM-5.x/DSV4.1 KVB=64 preshuffle next_n=1: the arms disagree (written != read columns)" in out
+    )
