@@ -244,3 +244,19 @@ def test_check_fails_a_flydsl_arm_that_writes_past_the_read_windows(target, work
     assert (
         "FAIL GLM-5.x/DSV4.1 KVB=64 preshuffle next_n=1: the arms disagree (written != read columns)" in out
     )
+
+
+def test_vllm_target_says_why_vllms_own_function_is_not_used(target, monkeypatch):
+    from vllm_flydsl_indexer import paths
+
+    assert paths.vllm_target() == (target, "vLLM would run aiter's Gluon kernel here")
+    monkeypatch.setattr(target, "paged_mqa_logits_module", lambda: None)
+    assert paths.vllm_target() == (None, "vLLM finds no aiter Gluon paged-MQA-logits module")
+    monkeypatch.undo()
+
+    def drifted(q_fp8, kv_cache_fp8, weights, context_lens, block_tables, max_model_len):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(target, "rocm_fp8_paged_mqa_logits", drifted)
+    found, why = paths.vllm_target()
+    assert found is None and why.startswith("rocm_fp8_paged_mqa_logits: signature (q_fp8,")
