@@ -83,7 +83,7 @@ def main() -> int:
     p = make_paged_problem(
         [4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64, preshuffle=True, spare_blocks=0
     )
-    call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    call_args = p.call_args()
     # Both arms are called from code living in the defining module, as its indexer calls them,
     # so the patched arm pays the wrapper's caller lookup and the caller rule exactly as in serving.
     site = call_site_in(target)
@@ -163,7 +163,7 @@ def standalone(args) -> int:
     ws = Workspace(p.batch * p.next_n, p.max_model_len, device)
     router = patched_call(Arms(False, "no-op kernels", "", noop, noop), ws)
     arms = {"stock": stock_call(noop, ws), "patched": from_defining_module(router)}
-    call_args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    call_args = p.call_args()
     for fn in arms.values():
         for _ in range(100):
             fn(*call_args)

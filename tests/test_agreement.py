@@ -32,15 +32,7 @@ def call(fn, problem, compress_ratio, caller=DEFINING_MODULE):
     """``fn`` on ``problem``, called from code living in module ``caller`` (as that call site does)."""
     rows = problem.batch * problem.next_n
     poison_workspace(rows, problem.max_model_len)
-    args = (
-        problem.q_fp8,
-        problem.kv_cache,
-        problem.weights,
-        problem.context_lens,
-        problem.block_tables,
-        None,
-        problem.max_model_len,
-    )
+    args = problem.call_args()
     out = call_site_in(importlib.import_module(caller))(fn, args, {"compress_ratio": compress_ratio})
     return out.clone()
 

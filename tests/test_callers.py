@@ -108,7 +108,7 @@ def test_audited_native_mtp_is_taken(target, workspace, installed, aiter_calls, 
         preshuffle=True,
         generator=torch.Generator().manual_seed(heads),
     )
-    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    args = p.call_args()
     rows = p.batch * 2
     poison_workspace(rows, p.max_model_len)
     stock = installed.original(*args, compress_ratio=1).clone()
@@ -138,7 +138,7 @@ def test_unknown_caller_gets_next_n_1_only_and_says_why_once(
         aiter_calls.clear()
         for _ in range(2):
             poison_workspace(p.batch * p.next_n, p.max_model_len)
-            args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+            args = p.call_args()
             site(target.rocm_fp8_paged_mqa_logits, args, {})
         assert arms(aiter_calls) == expected
     lines = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
@@ -151,7 +151,7 @@ def test_first_taken_line_names_configuration_and_caller(
     target, workspace, installed, aiter_calls, plugin_log
 ):
     p = make_paged_problem([90, 33], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
-    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    args = p.call_args()
     site = call_site_in(importlib.import_module(DEFINING_MODULE))
     for _ in range(3):
         site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})

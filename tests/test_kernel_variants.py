@@ -244,7 +244,7 @@ def test_each_variant_takes_exactly_its_shapes_and_agrees(
                 preshuffle=kvb > 1,
                 generator=torch.Generator().manual_seed(100 + i),
             )
-            args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+            args = p.call_args()
             rows = batch * next_n
             poison_workspace(rows, p.max_model_len)
             stock = installed.original(*args, compress_ratio=1).clone()
@@ -274,7 +274,7 @@ def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
     module = gfx950_module()
     variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
     p = make_paged_problem([500, 64, 3], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
-    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    args = p.call_args()
     from test_adapter import Recorder, hooks
 
     buffer = torch.full((6, p.max_model_len), float("nan"))
@@ -316,7 +316,7 @@ def test_a_raising_kernel_never_reaches_vllm(target, workspace, installed, aiter
     router.variant = dataclasses.replace(router.variant, fn=raising)
     site = call_site_in(importlib.import_module(DEFINING_MODULE))
     p = make_paged_problem([150, 9], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
-    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    args = p.call_args()
     poison_workspace(4, p.max_model_len)
     stock = installed.original(*args).clone()
     for _ in range(2):
@@ -348,7 +348,7 @@ def test_memoised_route_is_keyed_on_compress_ratio():
     p = base_problem()  # next_n 2, per-row bounds
     original = Recorder()
     router = router_for(original, hooks_=hooks())
-    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    args = p.call_args()
     router.call_from(DEFINING_MODULE, *args, compress_ratio=1)
     assert router.calls_taken == 1
     assert router.call_from(DEFINING_MODULE, *args, compress_ratio=2) is original.marker
@@ -414,7 +414,7 @@ def test_padded_q_gfx950_revision_keeps_stock_with_one_warning_and_no_call(
         p = make_paged_problem(
             [150, 9, 77], next_n=next_n, heads=32, head_dim=128, block_size=64, preshuffle=True
         )
-        args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+        args = p.call_args()
         aiter_calls.clear()
         site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
         assert [a for a, _ in aiter_calls] == ["gluon"]

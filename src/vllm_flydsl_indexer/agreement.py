@@ -51,9 +51,12 @@ class Agreement:
     topk_equal: bool
     nan_free: bool
 
+    def within(self, tolerance: float) -> bool:
+        """The relative difference is inside the rule (exactly 0 when ``tolerance`` is 0)."""
+        return self.max_rel_diff == 0.0 if tolerance == 0 else self.max_rel_diff < tolerance
+
     def ok(self, tolerance: float) -> bool:
-        within = self.max_rel_diff == 0.0 if tolerance == 0 else self.max_rel_diff < tolerance
-        return self.mask_equal and self.topk_equal and self.nan_free and within
+        return self.mask_equal and self.topk_equal and self.nan_free and self.within(tolerance)
 
     def describe(self) -> str:
         return (

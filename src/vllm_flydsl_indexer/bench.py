@@ -35,7 +35,7 @@ import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.arms import Arms, detect_arms
-from vllm_flydsl_indexer.cases import INDEXER, call_args
+from vllm_flydsl_indexer.cases import INDEXER
 from vllm_flydsl_indexer.check import quiet_logger
 from vllm_flydsl_indexer.paths import Paths, build_paths
 from vllm_flydsl_indexer.progress import Progress
@@ -194,7 +194,7 @@ def arm_callables(arms: Arms, paths: Paths) -> dict[str, tuple[bool, Callable]]:
         return run
 
     def call(fn):
-        return lambda p: fn(*call_args(p))
+        return lambda p: fn(*p.call_args())
 
     def reference(p: PagedProblem):
         out = output_buffer(p.batch * p.next_n, p.max_model_len)

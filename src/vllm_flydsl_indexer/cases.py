@@ -222,16 +222,3 @@ def build_problem(
         both[:, 0] = kv
         problem = dataclasses.replace(problem, kv_cache=both[:, 0])
     return problem
-
-
-def call_args(problem: PagedProblem) -> tuple:
-    """``rocm_fp8_paged_mqa_logits``'s positional arguments for ``problem``."""
-    return (
-        problem.q_fp8,
-        problem.kv_cache,
-        problem.weights,
-        problem.context_lens,
-        problem.block_tables,
-        None,
-        problem.max_model_len,
-    )

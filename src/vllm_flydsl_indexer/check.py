@@ -36,7 +36,6 @@ from vllm_flydsl_indexer.cases import (
     Case,
     bounds_cases,
     build_problem,
-    call_args,
     expected_arm,
     model_cases,
 )
@@ -97,7 +96,7 @@ def run_case(
     router = capture_router if case.capturing else paths.router
     variant = arms.flydsl_variant()
     expected, _ = expected_arm(case, variant)
-    args = call_args(problem)
+    args = problem.call_args()
     kwargs = {"compress_ratio": case.compress_ratio} if case.compress_ratio != 1 else {}
     rows = problem.batch * problem.next_n
     poison = paths.output_buffer
@@ -139,7 +138,7 @@ def run_case(
         agreement.mask_equal,
         agreement.topk_equal,
         agreement.nan_free,
-        agreement.max_rel_diff < tolerance or agreement.max_rel_diff == 0.0,
+        agreement.within(tolerance),
         kernel_error,
         ok=arm == expected and kernel_error is None and agreement.ok(tolerance) and exact_writes,
     )
@@ -218,18 +217,19 @@ def render(results: list[CaseResult], arms: Arms, paths: Paths, device: torch.de
     def fmt(row):
         return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
 
+    dispatcher = arms.flydsl_variant().name == "dispatcher"
     lines = [
         f"stock:   {paths.label}",
         "patched: the plugin's router as serving installs it, called from each case's call site"
         + (
             "; its FlyDSL arm is aiter's tuned dispatcher (Gluon or FlyDSL per shape, by aiter's table)"
-            if arms.flydsl_variant().name == "dispatcher"
+            if dispatcher
             else ""
         ),
         f"kernels: {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
         f"device:  {device}; rule: the expected arm, identical -inf masks, rel diff "
         f"{'< 1e-3' if arms.real else '== 0 (exact)'}, identical top-k sets, FlyDSL writes == read columns"
-        + (" (not for the dispatcher)" if arms.flydsl_variant().name == "dispatcher" else ""),
+        + (" (not for the dispatcher)" if dispatcher else ""),
         "",
         fmt(header),
         fmt(tuple("-" * w for w in widths)),

@@ -207,6 +207,18 @@ class PagedProblem:
     def next_n(self) -> int:
         return self.q_fp8.shape[1]
 
+    def call_args(self) -> tuple:
+        """``rocm_fp8_paged_mqa_logits``'s positional arguments for this problem."""
+        return (
+            self.q_fp8,
+            self.kv_cache,
+            self.weights,
+            self.context_lens,
+            self.block_tables,
+            None,
+            self.max_model_len,
+        )
+
     @property
     def kv_bytes(self) -> int:
         """Distinct KV bytes the problem's block tables reference."""
