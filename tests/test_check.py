@@ -260,3 +260,14 @@ def test_vllm_target_says_why_vllms_own_function_is_not_used(target, monkeypatch
     monkeypatch.setattr(target, "rocm_fp8_paged_mqa_logits", drifted)
     found, why = paths.vllm_target()
     assert found is None and why.startswith("rocm_fp8_paged_mqa_logits: signature (q_fp8,")
+
+
+def test_check_in_a_patched_process_compares_against_the_original(installed, workspace, target):
+    """Where the plugin is already installed, stock must be vLLM's original, not the plugin's wrapper."""
+    import torch
+
+    from vllm_flydsl_indexer import arms, paths
+
+    assert target.rocm_fp8_paged_mqa_logits is installed.wrapper
+    found = paths.build_paths(arms.detect_arms(torch.device("cpu")), torch.device("cpu"), 8, 256)
+    assert found.uses_vllm and found.stock is installed.original

@@ -167,8 +167,9 @@ def _check_target() -> tuple[Gate, ModuleType | None]:
         module = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001
         return Gate("target", False, f"{TARGET_MODULE} unimportable ({type(e).__name__}: {e})"), None
-    fn = vars(module).get(TARGET_NAME)
-    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, "_vllm_flydsl_indexer", False) else fn
+    from vllm_flydsl_indexer.patch import unpatched  # patch imports this module
+
+    fn = unpatched(vars(module).get(TARGET_NAME))
     problem = signature_problem(fn)
     if problem is not None:
         return Gate("target", False, f"{TARGET_MODULE}.{TARGET_NAME}: {problem}"), None

@@ -98,6 +98,11 @@ def _bindings(original: Callable) -> list[ModuleType]:
     return found
 
 
+def unpatched(fn: Callable) -> Callable:
+    """``fn`` itself, or the original function when ``fn`` is this package's wrapper."""
+    return fn.__wrapped__ if getattr(fn, MARKER, False) else fn
+
+
 def wrap(original: Callable, router: FlyDSLRouter) -> Callable:
     """The function that replaces ``original``: the router, told which module called it.
 

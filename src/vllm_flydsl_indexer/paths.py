@@ -68,7 +68,6 @@ class Paths:
         """The caller's module: vLLM's own when it imports, else a stand-in of that name."""
         module = self._modules.get(name)
         if module is None:
-            module = None
             if self.uses_vllm:
                 try:
                     module = importlib.import_module(name)
@@ -112,9 +111,7 @@ def vllm_target() -> tuple[ModuleType | None, str]:
         target = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001 - no vLLM is a reason, not an error
         return None, f"vLLM unavailable ({type(e).__name__})"
-    fn = vars(target).get(TARGET_NAME)
-    fn = getattr(fn, "__wrapped__", fn) if getattr(fn, patch.MARKER, False) else fn
-    problem = signature_problem(fn)
+    problem = signature_problem(patch.unpatched(vars(target).get(TARGET_NAME)))
     if problem is not None:
         return None, f"{TARGET_NAME}: {problem}"
     if not getattr(target, "_ON_GFX950", False):
@@ -133,34 +130,24 @@ def vllm_target() -> tuple[ModuleType | None, str]:
     return target, "vLLM would run aiter's Gluon kernel here"
 
 
-def _reference_lookups(target: ModuleType) -> contextlib.AbstractContextManager:
+@contextlib.contextmanager
+def _reference_lookups(
+    target: ModuleType, output_buffer: Callable[[int, int], torch.Tensor]
+) -> Iterator[None]:
     """Point vLLM's kernel lookups at the reference contracts, for reference arms."""
     gluon_module = types.SimpleNamespace(
         __name__="reference Gluon contract", deepgemm_fp8_paged_mqa_logits=gluon_contract_reference
     )
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        saved = {
-            name: vars(target)[name]
-            for name in ("paged_mqa_logits_module", "rocm_fp8_paged_mqa_logits_triton")
-        }
-        target.paged_mqa_logits_module = lambda: gluon_module
-        target.rocm_fp8_paged_mqa_logits_triton = functools.partial(
-            c4a_route_reference, lambda rows, mml: vllm_output_buffer(target, rows, mml)
-        )
-        try:
-            yield
-        finally:
-            for name, value in saved.items():
-                setattr(target, name, value)
-
-    return scope()
-
-
-def vllm_output_buffer(target: ModuleType, rows: int, max_model_len: int) -> torch.Tensor:
-    (out,) = target.current_workspace_manager().get_simultaneous(((rows, max_model_len), torch.float32))
-    return out
+    saved = {
+        name: vars(target)[name] for name in ("paged_mqa_logits_module", "rocm_fp8_paged_mqa_logits_triton")
+    }
+    target.paged_mqa_logits_module = lambda: gluon_module
+    target.rocm_fp8_paged_mqa_logits_triton = functools.partial(c4a_route_reference, output_buffer)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(target, name, value)
 
 
 @contextlib.contextmanager
@@ -183,6 +170,18 @@ def _vllm_workspace(device: torch.device) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _vllm_session(
+    target: ModuleType, device: torch.device, hooks: StockHooks, real_kernels: bool
+) -> Iterator[None]:
+    with _vllm_workspace(device):
+        if real_kernels:
+            yield
+        else:
+            with _reference_lookups(target, hooks.output_buffer):
+                yield
+
+
 def build_paths(
     arms: Arms,
     device: torch.device,
@@ -195,47 +194,29 @@ def build_paths(
     logger = logger or get_logger()
     target, why = vllm_target()
     if target is not None:
-        original = vars(target)[TARGET_NAME]
-        original = (
-            getattr(original, "__wrapped__", original) if getattr(original, patch.MARKER, False) else original
-        )
+        stock = patch.unpatched(vars(target)[TARGET_NAME])
         hooks = patch.vllm_stock_hooks(target)
-
-        def make_router(hooks: StockHooks = hooks, **kwargs) -> FlyDSLRouter:
-            return FlyDSLRouter(original, variant, hooks, logger, **kwargs)
-
-        @contextlib.contextmanager
-        def session() -> Iterator[None]:
-            with contextlib.ExitStack() as stack:
-                stack.enter_context(_vllm_workspace(device))
-                if not arms.real:
-                    stack.enter_context(_reference_lookups(target))
-                yield
-
+        session = functools.partial(_vllm_session, target, device, hooks, arms.real)
         kernels = (
             "aiter's Gluon kernel" if arms.real else "its aiter lookups pointed at the reference contracts"
         )
-        return Paths(
-            stock=original,
-            router=make_router(),
-            output_buffer=hooks.output_buffer,
-            uses_vllm=True,
-            label=f"vLLM's own {TARGET_MODULE}.{TARGET_NAME} ({kernels})",
-            make_router=make_router,
-            _session=session,
-        )
-    workspace = Workspace(max_rows, max_model_len, device)
-    stock = stock_call(arms.gluon, workspace)
-    hooks = mirror_hooks(workspace)
+        label = f"vLLM's own {TARGET_MODULE}.{TARGET_NAME} ({kernels})"
+    else:
+        workspace = Workspace(max_rows, max_model_len, device)
+        stock = stock_call(arms.gluon, workspace)
+        hooks = mirror_hooks(workspace)
+        session = contextlib.nullcontext
+        label = f"the mirror of vLLM 0.33.0's gfx950 branches ({why})"
 
-    def make_mirror_router(hooks: StockHooks = hooks, **kwargs) -> FlyDSLRouter:
+    def make_router(**kwargs) -> FlyDSLRouter:
         return FlyDSLRouter(stock, variant, hooks, logger, **kwargs)
 
     return Paths(
         stock=stock,
-        router=make_mirror_router(),
-        output_buffer=workspace.get,
-        uses_vllm=False,
-        label=f"the mirror of vLLM 0.33.0's gfx950 branches ({why})",
-        make_router=make_mirror_router,
+        router=make_router(),
+        output_buffer=hooks.output_buffer,
+        uses_vllm=target is not None,
+        label=label,
+        make_router=make_router,
+        _session=session,
     )
