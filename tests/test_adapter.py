@@ -50,8 +50,9 @@ def router_for(original, fn=None, hooks_=None, **kw):
     return FlyDSLRouter(original, general_variant(fn), hooks_ or hooks(), LOGGER, **kw)
 
 
-def hooks(buffer=None, dcp=1, gluon=True):
+def hooks(buffer=None, dcp=1, gluon=True, preshuffle=lambda bs: bs > 1):
     return StockHooks(
+        preshuffle=preshuffle,
         stock_uses_gluon=lambda ratio, bs: gluon,
         output_buffer=lambda rows, mml: (
             buffer if buffer is not None else torch.full((rows, mml), float("nan"))
@@ -167,6 +168,26 @@ def test_window_and_route_rules(dcp, ratio, gluon):
     original = Recorder()
     router = router_for(original, hooks_=hooks(dcp=dcp, gluon=gluon))
     assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=ratio) is original.marker
+
+
+@pytest.mark.parametrize("block_size,preshuffle", [(64, True), (1, False)])
+def test_flydsl_is_launched_with_stocks_preshuffle_or_not_at_all(block_size, preshuffle):
+    """Stock's cache layout decides: a vLLM whose layout rule differs keeps the call stock."""
+    p = base_problem(block_size=block_size, preshuffle=preshuffle)
+    launched = []
+
+    def kernel(*a, **k):
+        launched.append(k["Preshuffle"])
+        return flydsl_double()(*a, **k)
+
+    original = Recorder()
+    router = router_for(original, kernel, hooks_=hooks(preshuffle=lambda bs: bs > 1))
+    router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1)
+    assert launched == [preshuffle] and original.calls == []
+    flipped = Recorder()
+    router = router_for(flipped, kernel, hooks_=hooks(preshuffle=lambda bs: not bs > 1))
+    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is flipped.marker
+    assert launched == [preshuffle] and router.calls_taken == 0
 
 
 def test_next_n_1_is_taken_under_dcp_and_compression():

@@ -50,6 +50,12 @@ def call_sites() -> list[tuple[Path, ast.Call]]:
     return found
 
 
+def release() -> tuple[int, int]:
+    """The installed vLLM's (major, minor)."""
+    major, minor = importlib.metadata.version("vllm").split(".")[:2]
+    return int(major), int(minor)
+
+
 def function(tree: ast.Module, name: str) -> ast.FunctionDef:
     return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
 
@@ -86,7 +92,7 @@ def test_module_level_bindings_are_the_ones_the_patch_covers():
     # glm5next imports it at call time. A new binding must be reviewed, then added here.
     known = {"vllm.models.deepseek_v41.amd.ops.sparse_indexer"}
     assert set(module_level) <= known, f"new module-level binding(s): {set(module_level) - known}"
-    if importlib.metadata.version("vllm").startswith("0.33."):
+    if release() >= (0, 33):
         assert set(module_level) == known
     target = importlib.import_module(TARGET_MODULE)
     for name in module_level:
@@ -116,13 +122,15 @@ def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
         "max_model_len",
     ]
     kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
-    assert kw == {
-        "ChunkK": "256",
-        "Preshuffle": "block_size > 1",
-        "KVBlockSize": "block_size",
-        "WavePerEU": "2",
-    }
+    # 0.34.0 asks the layout helper and turns Preshuffle off on RDNA (gfx950 is not RDNA).
+    preshuffle = (
+        "indexer_k_cache_is_shuffled(block_size) and (not _ON_RDNA)" if release() >= (0, 34) else "block_size > 1"
+    )
+    assert kw == {"ChunkK": "256", "Preshuffle": preshuffle, "KVBlockSize": "block_size", "WavePerEU": "2"}
     src = ast.unparse(fn)
+    # The branch that reaches Gluon: gfx9 in 0.32/0.33; 0.34.0 adds RDNA but gfx1151.
+    branch = "_ON_GFX942 or _ON_GFX950" + (" or (_ON_RDNA and (not _ON_GFX1151))" if release() >= (0, 34) else "")
+    assert f"if {branch}:" in src, branch
     assert (
         "current_workspace_manager().get_simultaneous(((batch_size * next_n, max_model_len), torch.float32))"
         in src
@@ -139,7 +147,23 @@ def test_decode_consumers_read_what_the_window_rule_assumes():
     src = ast.unparse(function(module_source(TARGET_MODULE), "rocm_aiter_sparse_attn_indexer"))
     assert "rocm_aiter_ops.indexer_top_k_decode(logits, 1, decode_metadata.seq_lens.reshape(-1)" in src
     assert "visible = decode_metadata.seq_lens.reshape(-1)" in src
-    assert "visible = visible.repeat_interleave(next_n)" in src
+    if release() < (0, 34):
+        assert "visible = visible.repeat_interleave(next_n)" in src
+    else:
+        # 0.34.0 repeats a per-sequence entry in-kernel: row r reads ends[r // row_repeat].
+        assert "row_repeat = next_n if visible.numel() != num_rows else 1" in src
+        assert src.count("row_repeat)") == 2  # both candidate paths get it
+        kernels = [
+            module_source("vllm.v1.attention.ops.rocm_aiter_mla_sparse"),
+            module_source("vllm.model_executor.kernels.attention.dsa.candidate_blocks"),
+        ]
+        loads = [
+            ast.unparse(n)
+            for tree in kernels
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.load" and "ends" in ast.unparse(n.args[0])
+        ]
+        assert loads and all("row // ROW_REPEAT * stride_end" in load for load in loads), loads
     # Nothing touches the logits between the call and the consumers.
     between = src[
         src.index("logits = rocm_fp8_paged_mqa_logits(") : src.index("if candidate_blocks is not None")
@@ -148,10 +172,56 @@ def test_decode_consumers_read_what_the_window_rule_assumes():
 
 
 def test_native_mtp_bounds_are_one_apart():
-    """vLLM's bounds kernel writes ``max(seq_len - max_decode_len + j + 1, 0)``."""
-    text = (vllm_root() / "v1/attention/backends/mla/indexer.py").read_text()
+    """The native table is ``max(L_b - max_decode_len + j + 1, 0)``, ``max_decode_len`` columns wide.
+
+    Flattened rows get the same formula per token (the Triton kernel). The
+    router takes ``next_n > 1`` only when q's rows equal the table's width, so a
+    table wider than q (0.34.0's adaptive verification pins the width to
+    ``next_n`` while q is packed to the step's longest request) stays stock.
+    """
+    tree = module_source("vllm.v1.attention.backends.mla.indexer")
+    text = ast.unparse(tree)
     assert "per_token_seq_len = tl.maximum(seq_len - max_decode_len + local_idx + 1, 0)" in text
     assert "seq_lens //= self.compress_ratio" in text
+    native = ast.unparse(method(tree, "DeepseekV32IndexerMetadataBuilder", "_prepare_decode_tensors"))
+    assert (
+        "seq_lens_buffer = self.decode_seq_lens_buffer[:num_decodes * max_decode_len].view(num_decodes, "
+        "max_decode_len)" in native
+    )
+    assert (
+        "seq_lens_buffer[:] = (seq_lens.unsqueeze(1) - max_decode_len + 1 + "
+        "self.offsets_buffer[:max_decode_len]).clamp_(min=0)" in native
+    )
+    build = ast.unparse(method(tree, "DeepseekV32IndexerMetadataBuilder", "build"))
+    decode = build[build.index("decode_metadata = None") :]
+    if release() >= (0, 34):
+        # Adaptive verification widens the table to next_n; ShardQ touches only the prefill chunks.
+        adaptive = decode[decode.index("if self.use_adaptive_verification:") :]
+        assert adaptive.split("\n")[1].strip() == "max_decode_len = next_n", adaptive[:200]
+        assert "positions" not in decode and "shardq" not in decode
+    else:
+        assert "adaptive" not in decode
+
+
+def test_adaptive_verification_on_rocm_is_flattened_or_refused():
+    """0.34.0: on ROCm only the DeepSeek-V4/V4.1 indexer backends take adaptive verification, flattened.
+
+    What callers.py's 0.34.0 audit rests on: DeepSeek-V3.2/GLM-5.x's backend
+    refuses a device/CPU query-length mismatch there, so their native table is
+    never wider than q.
+    """
+    if release() < (0, 34):
+        pytest.skip("the indexer builder's adaptive verification width override is new in vLLM 0.34.0")
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla import indexer
+
+    assert current_platform.is_rocm()
+    assert not indexer.DeepseekV32IndexerBackend.supports_device_cpu_query_lens_mismatch()
+    assert indexer.DeepseekV4IndexerBackend.supports_device_cpu_query_lens_mismatch()
+    assert issubclass(indexer.DeepseekV41IndexerBackend, indexer.DeepseekV4IndexerBackend)
+    flattening = ast.unparse(function(module_source("vllm.v1.attention.backends.mla.indexer"), "_use_flattening"))
+    assert "speculative_config.enable_adaptive_verification" in flattening
+    assert "_supports_deepseek_v4_flattened_device_query_lens(vllm_config)" in flattening
 
 
 @pytest.mark.parametrize(
@@ -298,7 +368,17 @@ def test_config_forces_one_cudagraph_warmup_when_graphs_are_on(monkeypatch):
 
 
 def test_v1_runner_warms_up_that_many_times_before_each_capture():
-    """Model Runner V1 runs ``cudagraph_num_of_warmups`` eager steps before each capture."""
+    """Model Runner V1 runs ``cudagraph_num_of_warmups`` eager steps before each capture.
+
+    0.34.0 removed Model Runner V1: the worker builds only V2, whose warm-ups
+    the two tests below pin.
+    """
+    if release() >= (0, 34):
+        assert not (vllm_root() / "v1/worker/gpu_model_runner.py").exists()
+        worker = ast.unparse(module_source("vllm.v1.worker.gpu_worker"))
+        assert "gpu_model_runner" not in worker
+        assert "from vllm.v1.worker.gpu.model_runner import GPUModelRunner" in worker
+        return
     fn = method(module_source("vllm.v1.worker.gpu_model_runner"), "GPUModelRunner", "_warmup_and_capture")
     src = ast.unparse(fn)
     assert "num_warmups = self.compilation_config.cudagraph_num_of_warmups" in src
@@ -390,3 +470,19 @@ def test_deepseek_v4_defaults_to_the_mxfp4_indexer_on_cdna4():
         "if self.compress_ratio == 4:\n            # Only C4A uses sparse attention and hence has indexer."
         in text
     )
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_hooks_preshuffle_is_what_stock_passes_gluon(target, monkeypatch, block_size):
+    """The router launches FlyDSL with the layout vLLM's own Gluon call is told, release by release."""
+    from vllm_flydsl_indexer.patch import vllm_stock_hooks
+
+    hooks = vllm_stock_hooks(target)
+    assert hooks.preshuffle(block_size) is (block_size > 1)
+    if release() >= (0, 34):
+        assert target.indexer_k_cache_is_shuffled(block_size) is (block_size > 1)
+        monkeypatch.setattr(target, "_ON_RDNA", True)  # stock's "and not _ON_RDNA"
+        assert hooks.preshuffle(block_size) is False
+        monkeypatch.setattr(target, "_ON_RDNA", False)
+        monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs >= 32)
+        assert hooks.preshuffle(block_size) is (block_size >= 32)

@@ -40,7 +40,10 @@ logged (once) for the stock path:
    without ``compress_ratio``), DCP-localised bounds, or one entry per
    sequence repeated over ``next_n > 1`` rows (Gluon fills those columns with
    ``-inf``). Those calls stay on the stock path.
-4. **No first-time compile inside graph capture**, and **a configuration whose
+4. **The same cache layout as stock**: FlyDSL's ``Preshuffle`` must be the
+   one the original passes Gluon (:attr:`StockHooks.preshuffle`; vLLM 0.34.0
+   asks ``indexer_k_cache_is_shuffled``), else the call stays stock.
+5. **No first-time compile inside graph capture**, and **a configuration whose
    kernel raised stays stock** (:meth:`FlyDSLRouter.call_from`).
 
 Any exception from the FlyDSL launch returns stock's answer for that call,
@@ -149,12 +152,15 @@ class StockHooks:
     * ``per_sequence_lens(context_lens)``: vLLM's own reduction to one length
       per sequence.
     * ``dcp_world_size()``: decode context parallel size of this process.
+    * ``preshuffle(block_size)``: the ``Preshuffle`` the original passes Gluon,
+      i.e. vLLM's indexer K cache layout for that block size.
     """
 
     stock_uses_gluon: Callable[[int, int], bool]
     output_buffer: Callable[[int, int], torch.Tensor]
     per_sequence_lens: Callable[[torch.Tensor], torch.Tensor]
     dcp_world_size: Callable[[], int]
+    preshuffle: Callable[[int], bool]
 
 
 def _is_capturing() -> bool:
@@ -292,6 +298,12 @@ class FlyDSLRouter:
                     return Route(f"{where} measured stock (Gluon) faster for {config.describe()}")
                 note = f"; {where} measured FlyDSL faster"
         kwargs = self.variant.launch_kwargs(batch, kv_cache.shape[1], max_model_len, cus)
+        layout = self.hooks.preshuffle(kv_cache.shape[1])
+        if kwargs["Preshuffle"] != layout:
+            return Route(
+                f"stock reads this KVBlockSize={kv_cache.shape[1]} cache with Preshuffle={layout}, "
+                f"FlyDSL would be launched with Preshuffle={kwargs['Preshuffle']}"
+            )
         return Route(None, config, caller, kwargs, note)
 
     def _tuned_choice(self, cus: int, batch: int, config: KernelConfig) -> tuple[str, int] | None:

@@ -204,6 +204,7 @@ def mirror_hooks(workspace: Workspace) -> StockHooks:
         output_buffer=workspace.get,
         per_sequence_lens=per_sequence_context_lens,
         dcp_world_size=lambda: 1,
+        preshuffle=lambda block_size: block_size > 1,
     )
 
 

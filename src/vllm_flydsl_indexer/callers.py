@@ -36,6 +36,29 @@ repeated ``next_n`` times when it holds one entry per sequence; its gfx942 hooks
 (``topk.py``) do not run on gfx950; GLM-5-next's kpool top-k reads its
 pool-granular ``seq_lens`` per row. Nothing fills or sanitises the logits in
 between.
+
+Re-audited in vLLM 0.34.0, which changes none of the call sites' arguments:
+
+* The native table is the same ``max(0, L_b - max_decode_len + j + 1)``, but
+  adaptive verification (``enable_adaptive_verification``) pins its width to
+  ``next_n`` while q is packed to the step's longest request, so q can have
+  fewer rows than the table has columns. On ROCm only the DeepSeek-V4/V4.1
+  indexer backends accept adaptive verification, and they flatten (one row per
+  token, ``(N, 1)`` bounds); a table wider than q's rows stays stock anyway
+  (the router requires ``(B, next_n)`` for ``next_n > 1`` and one column for
+  ``next_n == 1``).
+* ShardQ (``sparse_mla_shard_q``) passes query positions to the prefill
+  chunks only; the decode bounds are built as before. The decode-only
+  expanded block table and ``_max_decode_logits_rows`` size buffers (the
+  latter the same workspace the original and the router both take); they do
+  not change bounds.
+* The consumers: the candidate selection and mask expand one entry per
+  sequence in-kernel (``ends[row // row_repeat]``) instead of
+  ``repeat_interleave``: the same columns are read.
+* GLM-5-next's kpool decode still passes pool-granular bounds without
+  ``compress_ratio`` (``max_model_len=max_pool_len``); around the call only the
+  workspace reservation and a kpool warm-up registration changed.
+* DeepSeek-V4.1's AMD ops module is unchanged.
 """
 
 from __future__ import annotations
@@ -89,7 +112,7 @@ CALL_SITES: dict[str, CallSite] = {
             "GLM-5-next reaches this site only with index_kpool <= 1)",
             dcp="bounds localised per token when DCP > 1",
             multi_row=True,
-            vllm="0.32.0, 0.33.0",
+            vllm="0.32.0, 0.33.0, 0.34.0",
         ),
         CallSite(
             module="vllm.models.deepseek_v41.amd.ops.sparse_indexer",
@@ -99,7 +122,7 @@ CALL_SITES: dict[str, CallSite] = {
             compress_ratio="passes the layer's compress_ratio",
             dcp="bounds localised per token when DCP > 1",
             multi_row=True,
-            vllm="0.33.0",
+            vllm="0.33.0, 0.34.0",
         ),
         CallSite(
             module="vllm.models.glm5next.amd.sparse_indexer",
@@ -110,7 +133,7 @@ CALL_SITES: dict[str, CallSite] = {
             compress_ratio="does NOT pass it (stays 1) although its bounds are compressed",
             dcp="bounds localised per token when DCP > 1",
             multi_row=False,
-            vllm="0.32.0, 0.33.0",
+            vllm="0.32.0, 0.33.0, 0.34.0",
         ),
     )
 }

@@ -20,7 +20,7 @@ from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 
 TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 TARGET_NAME = "rocm_fp8_paged_mqa_logits"
-# The signature this package was written against (vLLM 0.32.0 and 0.33.0).
+# The signature this package was written against (vLLM 0.32.0, 0.33.0 and 0.34.0).
 TARGET_POSITIONAL = (
     "q_fp8",
     "kv_cache_fp8",
@@ -32,7 +32,7 @@ TARGET_POSITIONAL = (
 )
 TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
-SUPPORTED_VLLM = ((0, 32), (0, 33))
+SUPPORTED_VLLM = ((0, 32), (0, 34))
 
 
 @dataclass(frozen=True)

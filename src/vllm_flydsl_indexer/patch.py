@@ -77,8 +77,16 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
         )
         return out
 
+    def preshuffle(block_size: int) -> bool:
+        # vLLM 0.34.0: ``indexer_k_cache_is_shuffled(block_size) and not _ON_RDNA``; before: ``block_size > 1``.
+        shuffled = getattr(target, "indexer_k_cache_is_shuffled", None)
+        if shuffled is None:
+            return block_size > 1
+        return bool(shuffled(block_size)) and not getattr(target, "_ON_RDNA", False)
+
     return StockHooks(
         stock_uses_gluon=stock_uses_gluon,
+        preshuffle=preshuffle,
         output_buffer=output_buffer,
         per_sequence_lens=lambda t: target._per_sequence_context_lens(t),
         dcp_world_size=lambda: get_dcp_world_size_and_rank()[0],
