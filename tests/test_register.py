@@ -111,7 +111,7 @@ def test_bad_switch_value_warns_and_stays_off(
 def _fail_gate(monkeypatch, gate):
     if gate == "version":
         monkeypatch.setattr(gates, "vllm_version", lambda: "0.31.2")
-        return "vLLM 0.31.2 is outside the tested window 0.32.x-0.33.x"
+        return "vLLM 0.31.2 is outside the tested window 0.32.x-0.34.x"
     if gate == "rocm":
         from vllm.platforms import current_platform
 
@@ -200,8 +200,10 @@ def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
         ("0.33.1.dev12+g1234abc.rocm700", False, True),
         ("0.32.0+rocm7.0.0", False, True),
         ("0.31.9", False, False),
-        ("0.34.0", False, False),
-        ("0.34.0", True, True),
+        ("0.34.0", False, True),
+        ("0.34.2rc1+rocm710", False, True),
+        ("0.35.0", False, False),
+        ("0.35.0", True, True),
         ("0.31.0", True, False),
         ("garbage", True, False),
         (None, True, False),
