@@ -31,6 +31,11 @@ def pip(*args: str, capture: bool = False) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, text=True, capture_output=capture, check=False)
 
 
+def project(requirement: str) -> str:
+    """The normalised project name of a requirement string."""
+    return re.split(r"[<>=!~\[;\s]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+
+
 def requirements(wheel: Path) -> list[str]:
     """The wheel's ``Requires-Dist`` entries, without those of optional extras."""
     with zipfile.ZipFile(wheel) as zf:
@@ -61,8 +66,7 @@ def main(argv: list[str]) -> int:
                 sys.stderr.write(done.stdout + done.stderr)
                 return 1
             spec = missing.group(1)
-            name = re.split(r"[<>=!~\[]", spec, maxsplit=1)[0].lower().replace("_", "-")
-            kept = [r for r in reqs if re.split(r"[<>=!~\[;\s]", r, maxsplit=1)[0].lower().replace("_", "-") != name]
+            kept = [r for r in reqs if project(r) != project(spec)]
             if len(kept) == len(reqs):
                 sys.stderr.write(done.stdout + done.stderr)
                 return 1

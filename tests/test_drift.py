@@ -123,13 +123,12 @@ def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
     ]
     kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
     # 0.34.0 asks the layout helper and turns Preshuffle off on RDNA (gfx950 is not RDNA).
-    preshuffle = (
-        "indexer_k_cache_is_shuffled(block_size) and (not _ON_RDNA)" if release() >= (0, 34) else "block_size > 1"
-    )
+    new = release() >= (0, 34)
+    preshuffle = "indexer_k_cache_is_shuffled(block_size) and (not _ON_RDNA)" if new else "block_size > 1"
     assert kw == {"ChunkK": "256", "Preshuffle": preshuffle, "KVBlockSize": "block_size", "WavePerEU": "2"}
     src = ast.unparse(fn)
     # The branch that reaches Gluon: gfx9 in 0.32/0.33; 0.34.0 adds RDNA but gfx1151.
-    branch = "_ON_GFX942 or _ON_GFX950" + (" or (_ON_RDNA and (not _ON_GFX1151))" if release() >= (0, 34) else "")
+    branch = "_ON_GFX942 or _ON_GFX950" + (" or (_ON_RDNA and (not _ON_GFX1151))" if new else "")
     assert f"if {branch}:" in src, branch
     assert (
         "current_workspace_manager().get_simultaneous(((batch_size * next_n, max_model_len), torch.float32))"
@@ -161,7 +160,9 @@ def test_decode_consumers_read_what_the_window_rule_assumes():
             ast.unparse(n)
             for tree in kernels
             for n in ast.walk(tree)
-            if isinstance(n, ast.Call) and ast.unparse(n.func) == "tl.load" and "ends" in ast.unparse(n.args[0])
+            if isinstance(n, ast.Call)
+            and ast.unparse(n.func) == "tl.load"
+            and "ends" in ast.unparse(n.args[0])
         ]
         assert loads and all("row // ROW_REPEAT * stride_end" in load for load in loads), loads
     # Nothing touches the logits between the call and the consumers.
@@ -219,7 +220,8 @@ def test_adaptive_verification_on_rocm_is_flattened_or_refused():
     assert not indexer.DeepseekV32IndexerBackend.supports_device_cpu_query_lens_mismatch()
     assert indexer.DeepseekV4IndexerBackend.supports_device_cpu_query_lens_mismatch()
     assert issubclass(indexer.DeepseekV41IndexerBackend, indexer.DeepseekV4IndexerBackend)
-    flattening = ast.unparse(function(module_source("vllm.v1.attention.backends.mla.indexer"), "_use_flattening"))
+    tree = module_source("vllm.v1.attention.backends.mla.indexer")
+    flattening = ast.unparse(function(tree, "_use_flattening"))
     assert "speculative_config.enable_adaptive_verification" in flattening
     assert "_supports_deepseek_v4_flattened_device_query_lens(vllm_config)" in flattening
 

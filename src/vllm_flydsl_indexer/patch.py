@@ -78,7 +78,7 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
         return out
 
     def preshuffle(block_size: int) -> bool:
-        # vLLM 0.34.0: ``indexer_k_cache_is_shuffled(block_size) and not _ON_RDNA``; before: ``block_size > 1``.
+        # 0.34.0: ``indexer_k_cache_is_shuffled(block_size) and not _ON_RDNA``; before: ``block_size > 1``.
         shuffled = getattr(target, "indexer_k_cache_is_shuffled", None)
         if shuffled is None:
             return block_size > 1
