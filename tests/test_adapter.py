@@ -327,3 +327,25 @@ def test_memoised_verdict_still_checks_contiguity_live():
     router.hooks = hooks(dcp=2)
     assert call(*as_args(p), compress_ratio=1) is original.marker
     assert router.calls_taken == 1 and len(original.calls) == 2
+
+
+def test_the_caller_is_part_of_the_memoised_verdict():
+    """One router, identical tensors, next_n 2, ratio 1: the audited caller is taken, the others are not.
+
+    A verdict memoised without the caller would hand the defining module's
+    "taken" to GLM-5-next's kpool call (pool-granular bounds) and to an unknown
+    caller on every later call with the same shapes.
+    """
+    from vllm_flydsl_indexer.callers import CALL_SITES
+
+    kpool = next(m for m, site in CALL_SITES.items() if not site.multi_row)
+    p = base_problem()
+    original = Recorder()
+    router = router_for(original)
+    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is not original.marker
+    assert router.calls_taken == 1 and original.calls == []
+    for caller in (kpool, "vllm.model_executor.layers.some_future_indexer", None):
+        assert router.call_from(caller, *as_args(p), compress_ratio=1) is original.marker, caller
+    assert router.calls_taken == 1 and len(original.calls) == 3
+    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is not original.marker
+    assert router.calls_taken == 2
