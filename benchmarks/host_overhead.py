@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Host time per decode-logits call: stock vLLM vs the plugin's patched call.
 
-Runs real vLLM 0.33.0's ``rocm_fp8_paged_mqa_logits`` on CPU under the test
+Runs the installed vLLM's real ``rocm_fp8_paged_mqa_logits`` on CPU under the test
 suite's gfx950 simulation (amdsmi and aiter doubles from ``tests/doubles``),
 with both kernels replaced by no-ops so only Python host work is timed: the
 stock function's own checks, workspace lookup and argument handling, against
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import json
 import os
 import statistics
@@ -105,6 +106,7 @@ def main() -> int:
         "cpu": _cpu_name(),
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "vllm": importlib.metadata.version("vllm"),
         "next_n": args.next_n,
         "tuned_csv": Path(args.tuned_csv).name if args.tuned_csv else None,
         "calls_per_round": args.calls,
@@ -117,7 +119,7 @@ def main() -> int:
         "samples_us": {k: [round(v, 3) for v in vs] for k, vs in per_call.items()},
     }
     setup = f"{args.rounds} interleaved rounds x {args.calls} calls, next_n={args.next_n}"
-    print(f"host time per call (median of {setup})")
+    print(f"host time per call, vLLM {result['vllm']} (median of {setup})")
     print(f"  stock   {stock:8.2f} us")
     print(f"  patched {patched:8.2f} us")
     print(
