@@ -5,8 +5,9 @@ The doubles model each API's contract as aiter's public source states it
 (``tests/doubles/aiter_flydsl``): the general PR #4221 kernel, the
 gfx950-specialised kernel (which raises ValueError outside its shapes and
 reads ``context_lens.max().item()`` when SplitKV is left automatic), its
-revision that takes q padded to ``MAX_NN`` rows, the tuned dispatcher, an aiter
-without any, and one whose import raises.
+earlier revision for heads 32/64 (more in ``test_gfx950_early_revision.py``),
+its revision that takes q padded to ``MAX_NN`` rows, the tuned dispatcher, an
+aiter without any, and one whose import raises.
 """
 
 from __future__ import annotations
