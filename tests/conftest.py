@@ -72,6 +72,7 @@ AITER_DOUBLE_MODULES = (
     "aiter.ops.flydsl.kernels.mqa_logits",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q",
     "aiter.paged_mqa_logits",
 )

@@ -5,8 +5,9 @@ The doubles model each API's contract as aiter's public source states it
 (``tests/doubles/aiter_flydsl``): the general PR #4221 kernel, the
 gfx950-specialised kernel (which raises ValueError outside its shapes and
 reads ``context_lens.max().item()`` when SplitKV is left automatic), its
-revision that takes q padded to ``MAX_NN`` rows, the tuned dispatcher, an aiter
-without any, and one whose import raises.
+earlier revision for heads 32/64 (more in ``test_gfx950_early_revision.py``),
+its revision that takes q padded to ``MAX_NN`` rows, the tuned dispatcher, an
+aiter without any, and one whose import raises.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def test_unknown_api_shapes_are_refused():
     ):
         return out
 
-    # The heads 32/64, next_n 1..2 revision: Preshuffle but no next_n_lens (SUPPORTED_HEADS, no MAX_NN).
+    # The earlier heads 32/64, next_n 1..2 signature, but in a module without its constants.
     def heads_32_64_gfx950(
         q,
         kv,
@@ -107,7 +108,13 @@ def test_unknown_api_shapes_are_refused():
     assert "lacks keyword-only Preshuffle, KVBlockSize" in kernels.identify(positional_knobs, None)
     assert "without a keyword-only SplitKV" in kernels.identify(gfx950_without_split, None)
     assert "lacks keyword-only Preshuffle" in kernels.identify(first_gfx950, None)
-    assert "like an early gfx950 kernel for heads 32/64" in kernels.identify(heads_32_64_gfx950, None)
+    reason = kernels.identify(heads_32_64_gfx950, None)
+    assert "like the earlier gfx950 kernel, but its module lacks readable SUPPORTED_HEADS" in reason
+
+    def early_without_split(q, kv, w, out, ctx, bt, mml, *, Preshuffle=True, KVBlockSize=64):
+        return out
+
+    assert "no keyword-only SplitKV" in kernels.identify(early_without_split, None)
 
 
 def padded_q_module():
@@ -177,6 +184,8 @@ def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
         ("gfx950", False, "gfx950"),
         ("general", True, "dispatcher"),
         ("gfx950", True, "dispatcher"),
+        ("gfx950-early", False, "gfx950-early"),
+        ("gfx950-early", True, "dispatcher"),
         ("gfx950-padded-q", False, None),
         ("gfx950-padded-q", True, "dispatcher"),
         ("none", False, None),
@@ -215,11 +224,15 @@ def expected_arms(variant: str, heads: int, kvb: int, batch: int) -> list[str]:
         return ["flydsl"]
     if variant == "gfx950":
         return ["flydsl-gfx950"] if (heads, kvb) == (32, 64) else ["gluon"]
+    if variant == "gfx950-early":
+        return ["flydsl-gfx950-early"] if kvb == 64 else ["gluon"]
     backend = "flydsl" if (heads, kvb) == (32, 64) and batch >= 64 else "gluon"
     return ["dispatcher", backend]
 
 
-@pytest.mark.parametrize("variant,dispatcher", [("general", False), ("gfx950", False), ("general", True)])
+@pytest.mark.parametrize(
+    "variant,dispatcher", [("general", False), ("gfx950", False), ("gfx950-early", False), ("general", True)]
+)
 def test_each_variant_takes_exactly_its_shapes_and_agrees(
     target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls, variant, dispatcher
 ):
@@ -373,6 +386,7 @@ def test_pool_limit_is_exclusive_at_2_to_the_31_bytes():
     [
         ("general", False, "general", "FlyDSL"),
         ("gfx950", False, "gfx950", "stock"),
+        ("gfx950-early", False, "gfx950-early", "FlyDSL"),
         ("general", True, "dispatcher", "aiter's dispatcher"),
     ],
 )

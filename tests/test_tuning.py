@@ -79,6 +79,63 @@ def test_aiters_own_table_lists_context_lengths_with_semicolons():
     assert t.choice(1, 32, 1, 32, 128, 64) == ("gluon", 16)
 
 
+# Where aiter's shipped table (PR #6140, revision 39029932: gfx950, 256 CUs, heads 32, KVB 64,
+# context_len "8192;32768", preshuffle "True") measured FlyDSL faster; Gluon at every other batch.
+SHIPPED_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SHIPPED_FLYDSL = {
+    1: {64, 256},
+    2: {256},
+    3: {256},
+    4: {128, 256},
+    5: {128, 256},
+    6: {128, 256},
+    7: {128, 256},
+    8: {32, 64, 128, 256},
+}
+
+
+def shipped_like_rows() -> list[str]:
+    rows = []
+    for next_n, flydsl in SHIPPED_FLYDSL.items():
+        for batch in SHIPPED_BATCHES:
+            backend = "flydsl" if batch in flydsl else "gluon"
+            knobs = "0,0,3" if backend == "flydsl" else "256,4,0"
+            rows.append(
+                f"gfx950,256,{batch},{next_n},32,128,64,True,8192;32768,{backend},{knobs},10.0,11.0,10.5"
+            )
+    return rows
+
+
+def test_rows_above_next_n_2_are_parsed_and_decide_only_their_own_next_n():
+    t = parse(*shipped_like_rows())
+    assert t.rows == 72 and len(t.shapes) == 8
+    for next_n, flydsl in SHIPPED_FLYDSL.items():
+        for batch in SHIPPED_BATCHES:
+            expected = "flydsl" if batch in flydsl else "gluon"
+            assert t.choice(256, batch, next_n, 32, 128, 64) == (expected, batch), (next_n, batch)
+    # vLLM's calls: next_n 1 (plain decode, and speculative decode flattened to one row per
+    # token) and 2 (native MTP) see only their own rows, whatever next_n 3..8 measured.
+    assert t.choice(256, 128, 1, 32, 128, 64) == ("gluon", 128)  # FlyDSL at 128 for next_n 4..8
+    assert t.choice(256, 4 * 32, 1, 32, 128, 64) == ("gluon", 128)  # 32 requests, 3 draft tokens, flattened
+    assert t.choice(256, 64, 2, 32, 128, 64) == ("gluon", 64)  # FlyDSL at 64 for next_n 8
+    assert t.choice(256, 64, 9, 32, 128, 64) is None  # no row: not covered
+    assert [s["next_n"] for s in tuning.describe(t)] == list(range(1, 9))
+
+
+def test_rows_above_next_n_2_never_decide_vllms_calls(target, tuned, aiter_calls, plugin_log):
+    # This CPU "device" has 1 CU. Stock is measured faster only at next_n 3..8.
+    rows = [row(cu=1, batch=1, next_n=n, backend="flydsl" if n <= 2 else "gluon") for n in range(1, 9)]
+    installed = tuned(*rows)
+    assert run_batch(target, installed, aiter_calls, 3) == ["flydsl"]  # plain decode
+    assert run_batch(target, installed, aiter_calls, 3 * 4) == ["flydsl"]  # 3 draft tokens, flattened
+    assert run_batch(target, installed, aiter_calls, 3, next_n=2) == ["flydsl"]  # native MTP
+    taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
+    assert len(taken) == 2 and all("measured FlyDSL faster" in m for m in taken), taken
+    # A native (B, 3) table, which vLLM's ROCm indexer never builds, would use the next_n 3 row.
+    assert run_batch(target, installed, aiter_calls, 3, next_n=3) == ["gluon"]
+    assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
+
+
 @pytest.mark.parametrize(
     "text,message",
     [

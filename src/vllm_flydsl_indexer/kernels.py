@@ -21,6 +21,16 @@ found from signatures and module constants, never from the name alone:
   (:func:`gfx950_q_contract`). That one is refused with its reason: feeding it
   would need padded copies of q and weights and a ``B*MAX_NN``-row output
   outside vLLM's workspace, an extra pass on every call.
+* ``gfx950-early``: an earlier revision of the same gfx950 file and name (e.g.
+  aiter 9661da3a): heads from its module's ``SUPPORTED_HEADS`` (32 and 64, so
+  DeepSeek-V3.2 too), ``HEAD_DIM``, ``KV_BLOCK_SIZE`` and ``INDEX_DIM``,
+  Preshuffle required, ``next_n`` only as its wrapper's literal check allows
+  (``next_n not in (1, 2)``, read from the source); keyword-only
+  ``Preshuffle``, ``KVBlockSize``, ``SplitKV``, ``TotalCuCount``, ``stream``,
+  no ``next_n_lens`` and no ``ChunkK``. Its automatic SplitKV reads shapes
+  only (``max_model_len``, the CU count, the batch), but the launch passes
+  the same value explicitly (:data:`GFX950_EARLY_WORKGROUPS_PER_CU`), so graph
+  safety never rests on the default.
 * ``general``: aiter PR #4221's kernel: heads and head_dim powers of two
   (multiples of 32 and 64), KVBlockSize 1 or a multiple of 16; keyword-only
   ``ChunkK``, ``WavePerEU``, ``variant``. Launched with KVBlockSize and
@@ -63,6 +73,9 @@ MIN_HEAD_MULTIPLE = 32
 MIN_HEAD_DIM_MULTIPLE = 64
 # aiter's dispatcher: workgroups per CU when it picks SplitKV for FlyDSL.
 WORKGROUPS_PER_CU = 3
+# The earlier gfx950 kernel's own automatic SplitKV: ``total_cu * 4 * 2``
+# one-wave workgroups, capped by the pages of ``max_model_len``.
+GFX950_EARLY_WORKGROUPS_PER_CU = 8
 
 # The indexer shapes of the models that reach the call, for reports:
 # label -> (heads, head_dim).
@@ -103,7 +116,9 @@ class Limits:
     index_dim: int | None = None
     max_next_n: int | None = None
     preshuffle_required: bool = False
-    # The real wrapper raises on a non-contiguous q.
+    # Take q only when contiguous: the later gfx950 wrapper raises otherwise,
+    # and the earlier one reads q in dwords at q's strides, assuming a dense
+    # head_dim (vLLM's q is contiguous, so nothing is lost).
     q_contiguous: bool = False
 
     def violation(
@@ -183,13 +198,16 @@ def cu_count(device: torch.device) -> int:
     return _device_cu_count(device.type, device.index)
 
 
-def explicit_split_kv(cus: int, batch: int, max_model_len: int, block_size: int) -> int:
+def explicit_split_kv(
+    cus: int, batch: int, max_model_len: int, block_size: int, workgroups_per_cu: int = WORKGROUPS_PER_CU
+) -> int:
     """aiter's dispatcher rule: ``max(1, min(pages, ceil(cu * wg_per_cu / batch)))``.
 
     ``pages`` counts the KV blocks of ``max_model_len``. Shapes only: no device read.
+    With ``workgroups_per_cu=8`` it is the earlier gfx950 wrapper's own automatic rule.
     """
     pages = -(-max_model_len // block_size)
-    return max(1, min(pages, -(-cus * WORKGROUPS_PER_CU // max(batch, 1))))
+    return max(1, min(pages, -(-cus * workgroups_per_cu // max(batch, 1))))
 
 
 @dataclass(frozen=True)
@@ -201,6 +219,8 @@ class KernelVariant:
     location: str
     limits: Limits
     description: str
+    # Workgroups per CU of the explicit SplitKV every launch passes; ``None``: SplitKV not passed.
+    split_kv_workgroups_per_cu: int | None = None
 
     def violation(
         self,
@@ -226,11 +246,14 @@ class KernelVariant:
         """The keyword arguments of every launch of this shape: shapes only, so graph-safe.
 
         KVBlockSize and Preshuffle always; an explicit SplitKV for the gfx950
-        kernel, whose automatic one reads device memory on the host.
+        kernels: the later one's automatic SplitKV reads device memory on the
+        host, and the earlier one's gets the value its own rule would compute.
         """
         kwargs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
-        if self.name == "gfx950":
-            kwargs["SplitKV"] = explicit_split_kv(cus, batch, max_model_len, block_size)
+        if self.split_kv_workgroups_per_cu is not None:
+            kwargs["SplitKV"] = explicit_split_kv(
+                cus, batch, max_model_len, block_size, self.split_kv_workgroups_per_cu
+            )
         return kwargs
 
     def launch(
@@ -318,15 +341,59 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
             preshuffle_required=True,
             q_contiguous=True,
         )
-        return KernelVariant("gfx950", fn, location, limits, "gfx950-specialised FlyDSL kernel")
+        return KernelVariant(
+            "gfx950", fn, location, limits, "gfx950-specialised FlyDSL kernel", WORKGROUPS_PER_CU
+        )
     if general_knobs <= set(params) and "next_n_lens" not in params:
         return KernelVariant("general", fn, location, Limits(), "general FlyDSL kernel (aiter PR #4221)")
     if "next_n_lens" not in params and not general_knobs & set(params):
-        return (
-            "an API of an unknown shape (no next_n_lens and no ChunkK/WavePerEU/variant, "
-            "like an early gfx950 kernel for heads 32/64 and next_n 1..2)"
-        )
+        return _identify_gfx950_early(fn, module, location, params)
     return "an API of an unknown shape (neither the PR #4221 kernel nor the gfx950 kernel)"
+
+
+GFX950_EARLY_CONSTANTS = ("SUPPORTED_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM")
+
+
+def _identify_gfx950_early(
+    fn: Callable, module: ModuleType | None, location: str, params: dict[str, inspect.Parameter]
+) -> KernelVariant | str:
+    """The earlier gfx950 revision (``SUPPORTED_HEADS``, no ``next_n_lens``), or why this is not it."""
+    if "SplitKV" not in params or params["SplitKV"].kind is not inspect.Parameter.KEYWORD_ONLY:
+        return (
+            "an API of an unknown shape (no next_n_lens, no ChunkK/WavePerEU/variant and no "
+            "keyword-only SplitKV)"
+        )
+    source = _defining_module(fn, module)
+    constants = {name: _as_set(getattr(source, name, None)) for name in GFX950_EARLY_CONSTANTS}
+    unreadable = [name for name, value in constants.items() if value is None]
+    if unreadable:
+        return (
+            "an API of an unknown shape (no next_n_lens and no ChunkK/WavePerEU/variant, like the "
+            f"earlier gfx950 kernel, but its module lacks readable {', '.join(unreadable)})"
+        )
+    if len(constants["INDEX_DIM"]) != 1:
+        return "earlier-gfx950-style API with an ambiguous INDEX_DIM"
+    next_ns = gfx950_next_n_values(fn)
+    if isinstance(next_ns, str):
+        return f"earlier-gfx950-style API whose next_n range cannot be read from its source ({next_ns})"
+    (index_dim,) = constants["INDEX_DIM"]
+    limits = Limits(
+        heads=constants["SUPPORTED_HEADS"],
+        head_dims=constants["HEAD_DIM"],
+        block_sizes=constants["KV_BLOCK_SIZE"],
+        index_dim=index_dim,
+        max_next_n=max(next_ns),
+        preshuffle_required=True,
+        q_contiguous=True,
+    )
+    return KernelVariant(
+        "gfx950-early",
+        fn,
+        location,
+        limits,
+        "gfx950-specialised FlyDSL kernel, earlier revision (SUPPORTED_HEADS, no next_n_lens)",
+        GFX950_EARLY_WORKGROUPS_PER_CU,
+    )
 
 
 Q_NEXT_N = "next_n"
@@ -357,12 +424,13 @@ def gfx950_q_contract(fn: Callable) -> str:
     the caller treats as "cannot tell": stock.
     """
     try:
-        return _q_contract_in(ast.parse(textwrap.dedent(inspect.getsource(fn))))
+        return _q_contract_in(_source_tree(fn))
     except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
         return f"source unreadable: {type(e).__name__}: {e}"
 
 
-def _q_contract_in(tree: ast.Module) -> str:
+def _q_rows(tree: ast.Module) -> tuple[ast.AST, str, str] | str:
+    """The wrapper's function, its q parameter and the name it unpacks ``q.shape[1]`` into."""
     func = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
     if func is None:
         return "no function definition in its source"
@@ -383,6 +451,61 @@ def _q_contract_in(tree: ast.Module) -> str:
     if len(rows_names) != 1:
         return f"no single 4-way unpacking of {q_name}.shape"
     (rows,) = rows_names
+    return func, q_name, rows
+
+
+def _source_tree(fn: Callable) -> ast.Module:
+    return ast.parse(textwrap.dedent(inspect.getsource(fn)))
+
+
+def gfx950_next_n_values(fn: Callable) -> frozenset[int] | str:
+    """The ``next_n`` values an earlier gfx950 wrapper accepts, read from its source.
+
+    That wrapper checks ``next_n not in (1, 2)`` (or ``in``) against a literal
+    after unpacking ``q.shape``. Exactly one such check of positive ints
+    ``1..k`` is accepted; anything else (no source, no check, two checks, a
+    gap, a check against a name such as ``MAX_NN``) is returned as a reason
+    string, which the caller treats as "cannot tell": stock.
+    """
+    try:
+        found = _q_rows(_source_tree(fn))
+    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
+        return f"source unreadable: {type(e).__name__}: {e}"
+    if isinstance(found, str):
+        return found
+    func, q_name, rows = found
+    checks = []
+    for node in ast.walk(func):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        for op, left, right in zip(node.ops, operands[:-1], operands[1:], strict=True):
+            if _is_name(left, rows) or _is_name(right, rows):
+                checks.append((op, left, right))
+    if len(checks) != 1:
+        return f"{len(checks)} comparisons of {q_name}.shape[1], not one membership check"
+    op, left, right = checks[0]
+    if not (isinstance(op, (ast.In, ast.NotIn)) and _is_name(left, rows)):
+        return f"{q_name}.shape[1] is compared with {type(op).__name__}, not a membership check"
+    try:
+        values = ast.literal_eval(right)
+    except ValueError:
+        return f"{q_name}.shape[1] is checked against a name, not a literal"
+    if (
+        not isinstance(values, (tuple, list, set, frozenset))
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+        or set(values) != set(range(1, max(values) + 1))
+    ):
+        return f"{q_name}.shape[1] is checked against {values!r}, not 1..k"
+    return frozenset(values)
+
+
+def _q_contract_in(tree: ast.Module) -> str:
+    found = _q_rows(tree)
+    if isinstance(found, str):
+        return found
+    func, q_name, rows = found
     ranged = padded = False
     for node in ast.walk(func):
         if not isinstance(node, ast.Compare):

@@ -28,6 +28,15 @@ What is stubbed, and why (all of it here, none of it in the plugin):
 * ``aiter.jit.utils.chip_info`` is a module with only ``get_gfx()``, returning
   ``$ARCH``: the real one imports aiter's C++ build helpers, which read the
   ROCm install's version at import. The wrappers only ask it for the arch.
+* ``aiter.ops.triton.utils.types`` is a module with only
+  ``get_fp8_e4m3_dtype()``, returning what the real one returns for ``$ARCH``
+  (``float8_e4m3fn`` on gfx950): the real one imports Triton and asks Triton's
+  active GPU driver for the arch at import. The gfx950 wrappers only use it to
+  check q's dtype. ``aiter.ops.triton`` and ``aiter.ops.triton.utils`` are bare
+  packages, so a checkout's Triton ops never import.
+* The CU count the router reads for its explicit SplitKV is an MI355X's (256),
+  not the 1 a CPU tensor reports, so the launch arguments are the ones a
+  gfx950 GPU would get (SplitKV is a runtime argument: the compile is the same).
 * Without a CUDA/HIP torch, ``torch.cuda.current_stream()`` and
   ``torch.cuda.device(None)`` (the wrapper's launch context for CPU tensors)
   raise; they become the default stream (``None``, what flydsl launches on by
@@ -36,6 +45,7 @@ What is stubbed, and why (all of it here, none of it in the plugin):
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -49,6 +59,7 @@ import types
 
 REQUIRED_ENV = {"COMPILE_ONLY": "1", "ARCH": "gfx950", "FLYDSL_GPU_ARCH": "gfx950"}
 BATCH, MAX_MODEL_LEN = 4, 1024
+MI355X_CUS = 256
 # The third call: same KernelConfig, other batch, max_model_len and table width.
 OTHER_BATCH, OTHER_MAX_MODEL_LEN = 7, 2048
 
@@ -82,6 +93,22 @@ def _stub_aiter(checkout: str) -> None:
     chip_info.get_gfx = lambda: os.environ["ARCH"]
     sys.modules[chip_info.__name__] = chip_info
     utils.chip_info = chip_info
+    triton_dir = os.path.join(checkout, "aiter", "ops", "triton")
+    _bare_package("aiter.ops.triton", triton_dir)
+    triton_utils = _bare_package("aiter.ops.triton.utils", os.path.join(triton_dir, "utils"))
+    dtypes = types.ModuleType("aiter.ops.triton.utils.types")
+    dtypes.get_fp8_e4m3_dtype = _fp8_e4m3_dtype
+    sys.modules[dtypes.__name__] = dtypes
+    triton_utils.types = dtypes
+
+
+def _fp8_e4m3_dtype():
+    """aiter's ``get_fp8_e4m3_dtype()`` for ``$ARCH`` (its table: OCP e4m3 on gfx950/gfx12xx)."""
+    import torch
+
+    if os.environ["ARCH"] in ("gfx950", "gfx1250", "gfx1200", "gfx1201"):
+        return torch.float8_e4m3fn
+    return torch.float8_e4m3fnuz
 
 
 def _stub_cuda_runtime() -> None:
@@ -183,6 +210,7 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     from vllm_flydsl_indexer.arms import Arms, Workspace, from_defining_module, patched_call
     from vllm_flydsl_indexer.reference import gluon_contract_reference, make_paged_problem
 
+    kernels._device_cu_count = lambda device_type, index: MI355X_CUS
     variant, problems = _find_variant(kernels)
     result: dict = {"problems": problems}
     if not isinstance(variant, kernels.KernelVariant):
@@ -190,6 +218,15 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
         result["unknown"] = variant
         return result
     result.update(variant=variant.name, location=variant.location, fn_file=inspect.getsourcefile(variant.fn))
+    # What the router hands the real wrapper, call by call (the wrapper itself runs unchanged).
+    passed: list[dict] = []
+    real_fn = variant.fn
+
+    def recording(*args, **kwargs):
+        passed.append(dict(kwargs))
+        return real_fn(*args, **kwargs)
+
+    variant = dataclasses.replace(variant, fn=recording)
     result["eligible"] = [list(c) for c in variant.eligible_configs()]
     index_dim = variant.limits.index_dim or head_dim + kernels.SCALE_BYTES
     reason = variant.limits.violation(heads, head_dim, block_size, index_dim, next_n)
@@ -234,10 +271,15 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     first = problem(BATCH, MAX_MODEL_LEN)
     other = problem(OTHER_BATCH, OTHER_MAX_MODEL_LEN)
     for label, p in (("first", first), ("same shapes again", first), ("other batch and length", other)):
+        before = len(passed)
         call(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
         calls.append(
             {
                 "label": label,
+                "kwargs": passed[before:],
+                "expected_kwargs": variant.launch_kwargs(
+                    p.batch, block_size, p.max_model_len, kernels.cu_count(p.q_fp8.device)
+                ),
                 "batch": p.batch,
                 "max_model_len": p.max_model_len,
                 "context_lens": list(p.context_lens.shape),

@@ -3,8 +3,10 @@
 
 ``$AITER_DOUBLE_FLYDSL`` picks which API the name ``flydsl_fp8_paged_mqa_logits``
 means, as different aiter revisions do: ``general`` (default; aiter PR #4221),
-``gfx950`` (the gfx950-specialised kernel), ``gfx950-padded-q`` (its revision
-that takes q padded to ``MAX_NN`` rows, e.g. aiter f5b390371d), ``none`` (an
+``gfx950`` (the gfx950-specialised kernel), ``gfx950-early`` (its earlier
+revision for heads 32/64 and next_n 1..2, e.g. aiter 9661da3a),
+``gfx950-padded-q`` (its revision that takes q padded to ``MAX_NN`` rows, e.g.
+aiter f5b390371d), ``none`` (an
 aiter without it) or ``broken-import`` (an aiter/flydsl mismatch: importing
 raises RuntimeError).
 """
@@ -17,6 +19,11 @@ if _WHICH == "general":
     from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits import flydsl_fp8_paged_mqa_logits  # noqa: F401
 elif _WHICH == "gfx950":
     from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950 import (  # noqa: F401
+        flydsl_fp8_paged_mqa_logits,
+        flydsl_fp8_paged_mqa_logits_gfx950,
+    )
+elif _WHICH == "gfx950-early":
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early import (  # noqa: F401
         flydsl_fp8_paged_mqa_logits,
         flydsl_fp8_paged_mqa_logits_gfx950,
     )

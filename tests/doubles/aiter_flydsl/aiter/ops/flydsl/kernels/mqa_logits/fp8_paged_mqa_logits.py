@@ -5,8 +5,8 @@ Reproduces the real wrapper's asserts, so any call the adapter lets through
 that the real kernel would reject fails the tests. ``BROKEN`` makes it
 deliberately wrong (for the verify-on-enable canary tests); ``SHORT_BY_ONE``
 makes it leave the last column of every row's window unwritten. Under
-``$AITER_DOUBLE_FLYDSL=gfx950-padded-q`` this module is what it is in that aiter
-revision: a shim re-exporting the gfx950 kernel.
+``$AITER_DOUBLE_FLYDSL=gfx950-padded-q`` or ``gfx950-early`` this module is what
+it is in those aiter revisions: a shim re-exporting the gfx950 kernel.
 """
 
 import math
@@ -91,6 +91,11 @@ def flydsl_fp8_paged_mqa_logits(
 
 if os.environ.get("AITER_DOUBLE_FLYDSL") == "gfx950-padded-q":
     from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q import (  # noqa: F401, F811
+        flydsl_fp8_paged_mqa_logits,
+        flydsl_fp8_paged_mqa_logits_gfx950,
+    )
+elif os.environ.get("AITER_DOUBLE_FLYDSL") == "gfx950-early":
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early import (  # noqa: F401, F811
         flydsl_fp8_paged_mqa_logits,
         flydsl_fp8_paged_mqa_logits_gfx950,
     )
