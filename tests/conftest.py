@@ -10,7 +10,9 @@ plugin loading) run in subprocesses via :func:`run_python`.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import logging
 import os
 import subprocess
 import sys
@@ -18,6 +20,13 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm_flydsl_indexer.kernels import identify
+from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.stock import StockHooks
 
 TESTS = Path(__file__).resolve().parent
 DOUBLES = TESTS / "doubles"
@@ -200,3 +209,86 @@ def plugin_log():
     logger.removeHandler(handler)
     logger.setLevel(old_level)
     _seen.clear()
+
+
+# The router on its own (no vLLM): what tests that build a router by hand share.
+
+LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
+
+
+class Recorder:
+    """Stands in for vLLM's original function: records calls, returns a marker."""
+
+    def __init__(self):
+        self.calls = []
+        self.marker = torch.full((1,), 7.0)
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.marker
+
+
+def flydsl_double():
+    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
+
+    return general.flydsl_fp8_paged_mqa_logits
+
+
+def general_variant(fn=None):
+    """The general (PR #4221) variant, identified from its double; ``fn`` replaces the launch target."""
+    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
+
+    variant = identify(general.flydsl_fp8_paged_mqa_logits, general)
+    assert variant.name == "general", variant
+    return variant if fn is None else dataclasses.replace(variant, fn=fn)
+
+
+def router_for(original, fn=None, hooks_=None, **kw):
+    return FlyDSLRouter(original, general_variant(fn), hooks_ or hooks(), LOGGER, **kw)
+
+
+def hooks(buffer=None, dcp=1, gluon=True, preshuffle=lambda bs: bs > 1):
+    return StockHooks(
+        preshuffle=preshuffle,
+        gluon_objection=lambda ratio, bs: None if gluon else "stock would not run Gluon here (a test hook)",
+        output_buffer=lambda rows, mml: (
+            buffer if buffer is not None else torch.full((rows, mml), float("nan"))
+        ),
+        per_sequence_lens=lambda t: t[:, -1].contiguous() if t.dim() == 2 and t.shape[1] > 1 else t,
+        dcp_world_size=lambda: dcp,
+    )
+
+
+def base_problem(**kw):
+    args = dict(next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
+    args.update(kw)
+    return make_paged_problem([130, 5, 64], generator=torch.Generator().manual_seed(5), **args)
+
+
+def as_args(p, **override):
+    args = dict(
+        q_fp8=p.q_fp8,
+        kv_cache_fp8=p.kv_cache,
+        weights=p.weights,
+        context_lens=p.context_lens,
+        block_tables=p.block_tables,
+        schedule_metadata=None,
+        max_model_len=p.max_model_len,
+    )
+    args.update(override)
+    return tuple(args.values())
+
+
+class OpAudit(TorchDispatchMode):
+    """Records every aten op the adapter itself dispatches (kernel excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: list[tuple[str, list]] = []
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            tensors = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            self.ops.append((func._schema.name, tensors))
+        return func(*args, **(kwargs or {}))

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``check`` through real vLLM on the gfx950 simulation, and the routing bugs it must catch.
 
-Each mutation plants one routing bug in the adapter's source (the bugs an
+Each mutation plants one routing bug in a rule's source (the bugs an
 independent mutation run planted), and ``check`` must exit non-zero.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import vllm_flydsl_indexer
-from vllm_flydsl_indexer import adapter
+from vllm_flydsl_indexer import callers, kernels, router, stock, tuning
 from vllm_flydsl_indexer import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
@@ -56,7 +56,8 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
     assert (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton) == lookups
 
 
-# bug -> (the adapter source it replaces, the planted replacement, the case that must FAIL)
+# bug -> (the rule source it replaces, the planted replacement, the case that must FAIL); the module
+# holding the source is found by :func:`plant` among the router and its rule modules.
 MUTATIONS = {
     "raw (B, next_n) table to the kernel": (
         "self.hooks.per_sequence_lens(context_lens),",
@@ -69,76 +70,90 @@ MUTATIONS = {
         "next_n=2 with (B, 1) bounds",
     ),
     "no contiguity check": (
-        "if not kv_cache.is_contiguous():",
-        "if False:",
+        "return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)",
+        "return None",
         "strided cache (block-outer layout)",
     ),
     "no compress-ratio rule": (
-        "if compress_ratio != 1:",
+        "if call.compress_ratio != 1:",
         "if False:",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
-    "no DCP rule": ("if dcp_world_size != 1:", "if False:", "DCP 2 next_n=2 (simulated)"),
+    "no DCP rule": ("if call.dcp_world_size != 1:", "if False:", "DCP 2 next_n=2 (simulated)"),
     "no capture rule": (
         "if capturing and config not in self.compiled:",
         "if False:",
         "first call during graph capture",
     ),
     "no caller rule": (
-        "objection = callers.multi_row_objection(caller)",
+        "objection = multi_row_objection(call.caller)",
         "objection = None",
         "GLM-5-next kpool next_n=2",
     ),
-    "C4A taken (stock_uses_gluon ignored)": (
-        "if not self.hooks.stock_uses_gluon(compress_ratio, kv_cache_fp8.shape[1]):",
-        "if False:",
+    "C4A taken (stock's Gluon question ignored)": (
+        "reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])",
+        "reason = None",
         "DSV4.1 C4A ratio 4 (block-flat)",
     ),
     "variant limits ignored": (
-        "problem = variant.violation(q_fp8, kv_cache, weights, context_lens, block_tables)",
-        "problem = None",
+        "return router.variant.violation(q, kv, weights, lens, tables)",
+        "return None",
         "heads=24 (no kernel takes it)",
     ),
     "memo key without compress_ratio": (
-        "            compress_ratio,\n            caller,\n",
-        "            caller,\n",
+        "            self.compress_ratio,\n            self.caller,\n",
+        "            self.caller,\n",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
 }
+RULE_MODULES = (router, callers, kernels, stock, tuning)
 
 
-def plant(monkeypatch, old: str, new: str) -> None:
-    """Replace the adapter's objects, wherever this package bound them, with a mutated build.
+def plant(monkeypatch, old: str, new: str) -> int:
+    """Replace the objects of the one module whose source holds ``old``, wherever this package bound them.
 
     Every submodule is imported first: one imported later would bind the
-    mutated objects for good.
+    mutated objects for good. The router's rule lists are rebound too.
     """
     for info in pkgutil.walk_packages(vllm_flydsl_indexer.__path__, "vllm_flydsl_indexer."):
         if not info.name.endswith("__main__"):
             importlib.import_module(info.name)
-    source = Path(adapter.__file__).read_text()
-    assert source.count(old) == 1, f"the mutation no longer matches the adapter: {old!r}"
-    mutated = types.ModuleType(adapter.__name__)
-    mutated.__file__ = adapter.__file__
-    exec(compile(source.replace(old, new), adapter.__file__, "exec"), vars(mutated))  # noqa: S102
-    originals = {id(v): k for k, v in vars(adapter).items() if not k.startswith("__")}
-    for name, module in list(sys.modules.items()):
+    holders = [m for m in RULE_MODULES if Path(m.__file__).read_text().count(old) == 1]
+    assert len(holders) == 1, f"the mutation matches no single rule module: {old!r}"
+    (module,) = holders
+    source = Path(module.__file__).read_text()
+    mutated = types.ModuleType(module.__name__)
+    mutated.__file__ = module.__file__
+    exec(compile(source.replace(old, new), module.__file__, "exec"), vars(mutated))  # noqa: S102
+    originals = {id(v): k for k, v in vars(module).items() if not k.startswith("__")}
+
+    def swap(value):
+        key = originals.get(id(value))
+        return vars(mutated)[key] if key is not None and key in vars(mutated) else value
+
+    rebound = 0
+    for name, bound in list(sys.modules.items()):
         if not name.startswith("vllm_flydsl_indexer"):
             continue
-        for attr, value in list(vars(module).items()):
-            key = originals.get(id(value))
-            if key is not None and key in vars(mutated) and not isinstance(value, types.ModuleType):
-                monkeypatch.setattr(module, attr, vars(mutated)[key])
+        for attr, value in list(vars(bound).items()):
+            if isinstance(value, types.ModuleType):
+                continue
+            if isinstance(value, tuple) and value and all(callable(v) for v in value):
+                swapped = tuple(swap(v) for v in value)
+                if any(a is not b for a, b in zip(swapped, value, strict=True)):
+                    monkeypatch.setattr(bound, attr, swapped)
+                    rebound += 1
+            elif swap(value) is not value:
+                monkeypatch.setattr(bound, attr, swap(value))
+                rebound += 1
+    return rebound
 
 
 @pytest.mark.parametrize("bug", MUTATIONS)
 def test_check_catches_planted_routing_bug(bug, target, workspace, monkeypatch, capsys):
-    from vllm_flydsl_indexer import paths
 
-    unmutated = paths.FlyDSLRouter
     old, new, failing_case = MUTATIONS[bug]
-    plant(monkeypatch, old, new)
-    assert paths.FlyDSLRouter is not unmutated  # planted where check builds its routers
+    assert plant(monkeypatch, old, new) > 0  # planted where check builds and runs its routers
     rc, out = run_check(capsys)
     assert rc != 0, f"check passed with the planted bug {bug!r}:\n{out}"
     assert f"FAIL {failing_case}: " in out, out
@@ -179,7 +194,7 @@ def test_a_shape_stock_itself_rejects_passes_when_the_patched_call_delegates_ali
 
 
 def test_a_patched_call_that_raises_where_stock_does_not_fails(target, workspace, monkeypatch, capsys):
-    from vllm_flydsl_indexer import adapter as adapter_module
+    from vllm_flydsl_indexer import router as adapter_module
 
     original = adapter_module.FlyDSLRouter.call_from
 

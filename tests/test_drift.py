@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_flydsl_indexer.gates import TARGET_KEYWORD_ONLY, TARGET_NAME, TARGET_POSITIONAL
-
-TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
+from vllm_flydsl_indexer.target import TARGET_KEYWORD_ONLY, TARGET_MODULE, TARGET_NAME, TARGET_POSITIONAL
 
 
 def vllm_root() -> Path:
@@ -428,7 +426,7 @@ def test_which_indexer_caches_are_forced_block_outer():
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vllm_flydsl_indexer.doctor import BLOCK_OUTER_LAYOUTS
+    from vllm_flydsl_indexer.kernels import BLOCK_OUTER_LAYOUTS
 
     assert {layout.name for layout in KVCacheLayout if not layout.is_layer_compact} == set(
         BLOCK_OUTER_LAYOUTS

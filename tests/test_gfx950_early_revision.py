@@ -133,8 +133,8 @@ def test_a_wrapper_whose_next_n_check_cannot_be_read_stays_stock(monkeypatch):
 def test_the_launch_passes_its_own_automatic_split_kv_explicitly_and_reads_nothing_on_the_host(
     aiter_as, aiter_calls
 ):
-    from test_adapter import Recorder, hooks
-    from vllm_flydsl_indexer.adapter import FlyDSLRouter
+    from conftest import Recorder, hooks
+    from vllm_flydsl_indexer.router import FlyDSLRouter
 
     aiter_as(flydsl="gfx950-early")
     variant = early_variant()

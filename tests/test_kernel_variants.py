@@ -23,10 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer import envs, kernels, patch
-from vllm_flydsl_indexer.adapter import FlyDSLRouter
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.router import FlyDSLRouter
 
 ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")
 SYNC_OPS = {"aiter::_local_scalar_dense", "aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
@@ -288,7 +288,7 @@ def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
     variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
     p = make_paged_problem([500, 64, 3], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
     args = p.call_args()
-    from test_adapter import Recorder, hooks
+    from conftest import Recorder, hooks
 
     buffer = torch.full((6, p.max_model_len), float("nan"))
     router = FlyDSLRouter(Recorder(), variant, hooks(buffer=buffer), ADAPTER_LOG)
@@ -356,7 +356,7 @@ def test_a_raising_kernel_never_reaches_vllm(target, workspace, installed, aiter
 
 
 def test_memoised_route_is_keyed_on_compress_ratio():
-    from test_adapter import Recorder, base_problem, hooks, router_for
+    from conftest import Recorder, base_problem, hooks, router_for
 
     p = base_problem()  # next_n 2, per-row bounds
     original = Recorder()

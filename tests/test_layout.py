@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from test_adapter import Recorder, as_args, base_problem, router_for
-from vllm_flydsl_indexer import doctor, envs
+from conftest import Recorder, as_args, base_problem, router_for
+from vllm_flydsl_indexer import doctor, envs, kernels
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
 
 
@@ -51,7 +51,7 @@ def test_block_outer_cache_stays_stock_and_the_log_says_why(plugin_log):
 def test_doctor_explains_the_layout_and_flags_a_block_outer_setting():
     plain = doctor.report({envs.SWITCH: "1"})
     layout = plain["kv_cache_layout"]
-    assert layout == {"variable": None, "block_outer": False, "note": doctor.LAYOUT_NOTE}
+    assert layout == {"variable": None, "block_outer": False, "note": kernels.BLOCK_OUTER_NOTE}
     text = doctor.render(plain)
     assert "layout:   FlyDSL needs a layer-contiguous indexer cache" in text
     assert "DeepSeek-V4/V4.1 and GLM-5-next" in " ".join(text.split())
@@ -67,4 +67,4 @@ def test_doctor_explains_the_layout_and_flags_a_block_outer_setting():
 def test_doctor_layout_note_is_in_the_json(capsys):
     assert doctor.main(as_json=True, strict=False) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["kv_cache_layout"]["note"] == doctor.LAYOUT_NOTE
+    assert data["kv_cache_layout"]["note"] == kernels.BLOCK_OUTER_NOTE

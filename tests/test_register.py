@@ -9,6 +9,7 @@ import logging
 import pytest
 
 from vllm_flydsl_indexer import envs, gates, kernels, patch
+from vllm_flydsl_indexer.target import MARKER
 
 TARGET = "rocm_fp8_paged_mqa_logits"
 V41 = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
@@ -20,14 +21,14 @@ def lines(records):
 
 def assert_untouched(target, original):
     assert vars(target)[TARGET] is original
-    assert not getattr(vars(target)[TARGET], patch.MARKER, False)
+    assert not getattr(vars(target)[TARGET], MARKER, False)
     assert patch.installed() is None
 
 
 @pytest.fixture
 def original(target):
     fn = vars(target)[TARGET]
-    assert not getattr(fn, patch.MARKER, False)
+    assert not getattr(fn, MARKER, False)
     return fn
 
 

@@ -246,7 +246,7 @@ def test_a_malformed_table_leaves_the_switch_meaning(target, tuned, aiter_calls,
 
 def test_the_table_adds_no_op_to_the_hot_path():
     """With a table loaded the taken call dispatches exactly the ops it does without one."""
-    from test_adapter import OpAudit, Recorder, as_args, base_problem, hooks, router_for
+    from conftest import OpAudit, Recorder, as_args, base_problem, hooks, router_for
 
     p = base_problem(heads=32)
     ops = {}

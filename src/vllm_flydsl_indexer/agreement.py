@@ -116,7 +116,7 @@ def compare_in_windows(
 
 
 def make_verifier(tolerance: float = REAL_KERNEL_TOLERANCE, topk: int = DEFAULT_TOPK):
-    """A verify-on-enable callback for :class:`~vllm_flydsl_indexer.adapter.FlyDSLRouter`."""
+    """A verify-on-enable callback for :class:`~vllm_flydsl_indexer.router.FlyDSLRouter`."""
 
     def verify(
         stock: torch.Tensor, flydsl: torch.Tensor, context_lens: torch.Tensor, next_n: int

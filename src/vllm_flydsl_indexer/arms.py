@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer._logging import get_logger
-from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
 from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
 from vllm_flydsl_indexer.reference import (
@@ -31,6 +30,8 @@ from vllm_flydsl_indexer.reference import (
     fp8_paged_mqa_logits_reference,
     gluon_contract_reference,
 )
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.stock import StockHooks
 
 GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
 GLUON_NAME = "deepgemm_fp8_paged_mqa_logits"
@@ -200,7 +201,9 @@ def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Ten
 def mirror_hooks(workspace: Workspace) -> StockHooks:
     """Hooks that mirror what vLLM's are on gfx950 with aiter enabled, DCP 1."""
     return StockHooks(
-        stock_uses_gluon=lambda compress_ratio, block_size: not c4a_block_flat(compress_ratio, block_size),
+        gluon_objection=lambda compress_ratio, block_size: (
+            "the mirror's C4A Triton route" if c4a_block_flat(compress_ratio, block_size) else None
+        ),
         output_buffer=workspace.get,
         per_sequence_lens=per_sequence_context_lens,
         dcp_world_size=lambda: 1,

@@ -12,7 +12,7 @@ Two kinds of case:
   capture, ``next_n`` 2 with ``(B, 1)`` bounds, and a head count no kernel takes.
 
 The expected arm is written here from what each case is, independently of the
-router in :mod:`vllm_flydsl_indexer.adapter`: a router bug shows as a case
+router in :mod:`vllm_flydsl_indexer.router`: a router bug shows as a case
 whose arm differs from the expected one.
 """
 

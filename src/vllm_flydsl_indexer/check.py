@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer.adapter import FlyDSLRouter
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.arms import Arms, detect_arms
 from vllm_flydsl_indexer.cases import (
@@ -42,6 +41,7 @@ from vllm_flydsl_indexer.cases import (
 from vllm_flydsl_indexer.paths import Paths, build_paths
 from vllm_flydsl_indexer.progress import Progress
 from vllm_flydsl_indexer.reference import PagedProblem
+from vllm_flydsl_indexer.router import FlyDSLRouter
 
 __all__ = ["MODELS", "main"]
 

@@ -16,18 +16,17 @@ import textwrap
 from typing import Any
 
 from vllm_flydsl_indexer import envs, gates, tuning
-from vllm_flydsl_indexer.kernels import MODEL_SHAPES, REPORT_BLOCK_SIZES, REPORT_NEXT_NS, KernelVariant
+from vllm_flydsl_indexer.kernels import (
+    BLOCK_OUTER_LAYOUTS,
+    BLOCK_OUTER_NOTE,
+    LAYOUT_VARIABLE,
+    MODEL_SHAPES,
+    REPORT_BLOCK_SIZES,
+    REPORT_NEXT_NS,
+    KernelVariant,
+)
 
 NOT_INSTALLED = "not installed"
-# vLLM's KV cache layouts with the block dimension outside the layer dimension.
-BLOCK_OUTER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
-LAYOUT_VARIABLE = "VLLM_KV_CACHE_LAYOUT"
-LAYOUT_NOTE = (
-    "FlyDSL needs a layer-contiguous indexer cache (vLLM's default LBNHC, or LBHNC). A block-outer "
-    "layout (BLHNC, BLNHC, BHLNC) packs every layer's page inside each block, so each layer's indexer cache "
-    "is strided and every call stays stock: DeepSeek-V4/V4.1 and GLM-5-next (kpool tail cache) "
-    f"require one; {LAYOUT_VARIABLE} or a KV connector can choose one for DeepSeek-V3.2 and GLM-5.x."
-)
 # Distribution names to read versions from, first found wins. aiter's ROCm
 # wheels are published as amd-aiter; "aiter" on PyPI is an unrelated library.
 PACKAGES = {
@@ -119,7 +118,7 @@ def layout_report(environ: dict[str, str] | None) -> dict[str, Any]:
     env = os.environ if environ is None else environ
     value = env.get(LAYOUT_VARIABLE) or None
     block_outer = value is not None and value.strip().upper() in BLOCK_OUTER_LAYOUTS
-    return {"variable": value, "block_outer": block_outer, "note": LAYOUT_NOTE}
+    return {"variable": value, "block_outer": block_outer, "note": BLOCK_OUTER_NOTE}
 
 
 def report(environ: dict[str, str] | None = None) -> dict[str, Any]:

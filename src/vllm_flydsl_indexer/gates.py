@@ -10,27 +10,14 @@ the doctor report never disagree. Nothing here raises.
 from __future__ import annotations
 
 import importlib.metadata
-import inspect
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
 
 from vllm_flydsl_indexer import envs
 from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
 
-TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
-TARGET_NAME = "rocm_fp8_paged_mqa_logits"
-# The signature this package was written against (vLLM 0.32.0, 0.33.0 and 0.34.0).
-TARGET_POSITIONAL = (
-    "q_fp8",
-    "kv_cache_fp8",
-    "weights",
-    "context_lens",
-    "block_tables",
-    "schedule_metadata",
-    "max_model_len",
-)
-TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 
@@ -107,26 +94,6 @@ def check_version(version: str | None, allow_untested: bool) -> Gate:
     )
 
 
-def signature_problem(fn: object) -> str | None:
-    """Why ``fn`` does not have the target signature, or ``None``."""
-    if not callable(fn):
-        return f"{TARGET_NAME} is missing"
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError) as e:
-        return f"signature unreadable ({e})"
-    positional = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    keyword_only = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    others = [
-        p.name
-        for p in params
-        if p.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    ]
-    if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or others:
-        return f"signature {inspect.signature(fn)} differs from the one this package supports"
-    return None
-
-
 def gcn_arch() -> str | None:
     """vLLM's ROCm arch string, or ``None``; never raises."""
     try:
@@ -167,8 +134,6 @@ def _check_target() -> tuple[Gate, ModuleType | None]:
         module = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001
         return Gate("target", False, f"{TARGET_MODULE} unimportable ({type(e).__name__}: {e})"), None
-    from vllm_flydsl_indexer.patch import unpatched  # patch imports this module
-
     fn = unpatched(vars(module).get(TARGET_NAME))
     problem = signature_problem(fn)
     if problem is not None:

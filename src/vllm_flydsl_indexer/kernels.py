@@ -52,8 +52,23 @@ import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm_flydsl_indexer.router import Call, FlyDSLRouter
+
+# vLLM's KV cache layouts with the block dimension outside the layer dimension
+# (vllm/v1/kv_cache_layout.py; tests/test_drift.py pins them).
+BLOCK_OUTER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
+LAYOUT_VARIABLE = "VLLM_KV_CACHE_LAYOUT"
+BLOCK_OUTER_NOTE = (
+    "FlyDSL needs a layer-contiguous indexer cache (vLLM's default LBNHC, or LBHNC). A block-outer KV cache "
+    "layout (BLHNC/BLNHC, BHLNC) packs every layer's page inside each block, so each layer's indexer cache "
+    "is strided and every call stays stock: DeepSeek-V4/V4.1 and GLM-5-next (kpool tail cache) "
+    f"require one; {LAYOUT_VARIABLE} or a KV connector can choose one for DeepSeek-V3.2 and GLM-5.x."
+)
 
 KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
 # Probed in order: the re-export, the PR branch's module, earlier revisions.
@@ -242,6 +257,11 @@ class KernelVariant:
             return f"q_fp8 is not contiguous ({self.name} FlyDSL kernel)"
         return None
 
+    @staticmethod
+    def preshuffle(block_size: int) -> bool:
+        """The ``Preshuffle`` this package launches a ``block_size`` cache with: vLLM's ROCm layout rule."""
+        return block_size > 1
+
     def launch_kwargs(self, batch: int, block_size: int, max_model_len: int, cus: int) -> dict[str, object]:
         """The keyword arguments of every launch of this shape: shapes only, so graph-safe.
 
@@ -249,7 +269,7 @@ class KernelVariant:
         kernels: the later one's automatic SplitKV reads device memory on the
         host, and the earlier one's gets the value its own rule would compute.
         """
-        kwargs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
+        kwargs: dict[str, object] = {"Preshuffle": self.preshuffle(block_size), "KVBlockSize": block_size}
         if self.split_kv_workgroups_per_cu is not None:
             kwargs["SplitKV"] = explicit_split_kv(
                 cus, batch, max_model_len, block_size, self.split_kv_workgroups_per_cu
@@ -610,3 +630,24 @@ def find_kernel() -> KernelLookup:
             return KernelLookup(found, "found")
         problems.append(f"{path}.{KERNEL_NAME}: {found}")
     return KernelLookup(None, "; ".join(problems))
+
+
+def strided_cache_reason(kv_cache: torch.Tensor) -> str:
+    """The stock-path reason for a cache view that is not layer-contiguous, in actionable words."""
+    blocks, block_size, _, index_dim = (tuple(kv_cache.shape) + (0, 0, 0, 0))[:4]
+    return (
+        f"kv_cache is strided (block stride {kv_cache.stride(0) if kv_cache.dim() else '?'} bytes, "
+        f"not KVBlockSize*index_dim = {block_size * index_dim}), so this layer stays on the stock path. "
+        f"{BLOCK_OUTER_NOTE}"
+    )
+
+
+def contiguity_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """Every FlyDSL API needs a layer-contiguous cache: checked live (strides are not memoised)."""
+    return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)
+
+
+def contract_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """The found API's exact contract: the common one plus its own limits."""
+    q, kv, weights, lens, tables = call[:5]
+    return router.variant.violation(q, kv, weights, lens, tables)

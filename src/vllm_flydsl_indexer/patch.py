@@ -33,14 +33,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-import torch
-
-from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
-from vllm_flydsl_indexer.gates import TARGET_NAME
 from vllm_flydsl_indexer.kernels import KernelVariant
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.stock import vllm_stock_hooks
+from vllm_flydsl_indexer.target import MARKER, TARGET_NAME
 from vllm_flydsl_indexer.tuning import TunedTable
-
-MARKER = "_vllm_flydsl_indexer"
 
 
 @dataclass
@@ -54,45 +51,6 @@ class InstalledPatch:
 _installed: InstalledPatch | None = None
 
 
-def vllm_stock_hooks(target: ModuleType) -> StockHooks:
-    """Hooks that ask vLLM exactly what the original function asks it.
-
-    Module globals are looked up at call time, as the original does, so a
-    test that patches them sees both arms change together.
-    """
-    from vllm._aiter_ops import rocm_aiter_ops
-    from vllm.distributed.parallel_state import get_dcp_world_size_and_rank
-
-    def stock_uses_gluon(compress_ratio: int, block_size: int) -> bool:
-        on_gfx9 = target._ON_GFX950 or target._ON_GFX942
-        if on_gfx9 and target._indexer_k_is_c4a_block_flat(compress_ratio) and block_size > 1:
-            return False  # vLLM's own C4A Triton route
-        if not (rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()):
-            return False
-        return bool(target._ON_GFX950) and target.paged_mqa_logits_module() is not None
-
-    def output_buffer(rows: int, max_model_len: int) -> torch.Tensor:
-        (out,) = target.current_workspace_manager().get_simultaneous(
-            ((rows, max_model_len), torch.float32),
-        )
-        return out
-
-    def preshuffle(block_size: int) -> bool:
-        # 0.34.0: ``indexer_k_cache_is_shuffled(block_size) and not _ON_RDNA``; before: ``block_size > 1``.
-        shuffled = getattr(target, "indexer_k_cache_is_shuffled", None)
-        if shuffled is None:
-            return block_size > 1
-        return bool(shuffled(block_size)) and not getattr(target, "_ON_RDNA", False)
-
-    return StockHooks(
-        stock_uses_gluon=stock_uses_gluon,
-        preshuffle=preshuffle,
-        output_buffer=output_buffer,
-        per_sequence_lens=lambda t: target._per_sequence_context_lens(t),
-        dcp_world_size=lambda: get_dcp_world_size_and_rank()[0],
-    )
-
-
 def _bindings(original: Callable) -> list[ModuleType]:
     """Every imported module whose global ``TARGET_NAME`` is ``original``."""
     found = []
@@ -104,11 +62,6 @@ def _bindings(original: Callable) -> list[ModuleType]:
         if namespace.get(TARGET_NAME) is original:
             found.append(module)
     return found
-
-
-def unpatched(fn: Callable) -> Callable:
-    """``fn`` itself, or the original function when ``fn`` is this package's wrapper."""
-    return fn.__wrapped__ if getattr(fn, MARKER, False) else fn
 
 
 def wrap(original: Callable, router: FlyDSLRouter) -> Callable:

@@ -5,7 +5,7 @@
   signature, and vLLM would send the call to aiter's Gluon kernel on gfx950
   (``_ON_GFX950``, aiter enabled, ``paged_mqa_logits_module()`` found). Stock is
   the original ``rocm_fp8_paged_mqa_logits`` function object; the patched path
-  is :class:`~vllm_flydsl_indexer.adapter.FlyDSLRouter` with
+  is :class:`~vllm_flydsl_indexer.router.FlyDSLRouter` with
   :func:`~vllm_flydsl_indexer.patch.vllm_stock_hooks`, wrapped by
   :func:`~vllm_flydsl_indexer.patch.wrap` exactly as serving wraps it, and
   called from the call sites' own modules so the caller rules apply.
@@ -34,7 +34,6 @@ import torch
 
 from vllm_flydsl_indexer import patch
 from vllm_flydsl_indexer._logging import get_logger
-from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
 from vllm_flydsl_indexer.arms import (
     Arms,
     Workspace,
@@ -43,8 +42,10 @@ from vllm_flydsl_indexer.arms import (
     stock_call,
 )
 from vllm_flydsl_indexer.callers import call_site_in
-from vllm_flydsl_indexer.gates import TARGET_MODULE, TARGET_NAME, signature_problem
 from vllm_flydsl_indexer.reference import gluon_contract_reference
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.stock import StockHooks
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
 
 
 @dataclass
@@ -111,7 +112,7 @@ def vllm_target() -> tuple[ModuleType | None, str]:
         target = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001 - no vLLM is a reason, not an error
         return None, f"vLLM unavailable ({type(e).__name__})"
-    problem = signature_problem(patch.unpatched(vars(target).get(TARGET_NAME)))
+    problem = signature_problem(unpatched(vars(target).get(TARGET_NAME)))
     if problem is not None:
         return None, f"{TARGET_NAME}: {problem}"
     if not getattr(target, "_ON_GFX950", False):
@@ -194,7 +195,7 @@ def build_paths(
     logger = logger or get_logger()
     target, why = vllm_target()
     if target is not None:
-        stock = patch.unpatched(vars(target)[TARGET_NAME])
+        stock = unpatched(vars(target)[TARGET_NAME])
         hooks = patch.vllm_stock_hooks(target)
         session = functools.partial(_vllm_session, target, device, hooks, arms.real)
         kernels = (

@@ -35,6 +35,12 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from vllm_flydsl_indexer.kernels import cu_count
+
+if TYPE_CHECKING:
+    from vllm_flydsl_indexer.router import Call, FlyDSLRouter
 
 COLUMNS = (
     "gfx",
@@ -217,3 +223,56 @@ def describe(table: TunedTable) -> list[dict[str, object]]:
             }
         )
     return out
+
+
+def _choice(call: Call, router: FlyDSLRouter) -> tuple[str, int, int] | None:
+    """``(backend, batch bucket, CUs)`` of the router's table for this call, or ``None``.
+
+    A table with no rows for this GPU's CU count is dropped from the router,
+    with one WARNING.
+    """
+    table = router.table
+    if table is None:
+        return None
+    batch, next_n, heads, head_dim = call.q_fp8.shape
+    cus = cu_count(call.q_fp8.device)
+    if cus not in table.cu_counts():
+        router.logger.warning(
+            "vllm-flydsl-indexer: tuned table ignored: %s has %s rows for CU count(s) %s, none for this "
+            "GPU's %d CUs",
+            table.source,
+            table.gfx,
+            sorted(table.cu_counts()),
+            cus,
+        )
+        router.table = None
+        return None
+    pick = table.choice(cus, batch, next_n, heads, head_dim, call.kv_cache.shape[1])
+    return None if pick is None else (*pick, cus)
+
+
+def _where(table: TunedTable, bucket: int, cus: int) -> str:
+    return f"tuned table {table.source}, batch >= {bucket} on {table.gfx} with {cus} CUs"
+
+
+def table_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """A measured table that found stock (Gluon) faster at this shape and batch keeps it stock."""
+    table = router.table
+    pick = _choice(call, router)
+    if pick is None or pick[0] == "flydsl":
+        return None
+    assert table is not None
+    _, next_n, heads, head_dim = call.q_fp8.shape
+    return (
+        f"{_where(table, pick[1], pick[2])} measured stock (Gluon) faster for heads={heads} "
+        f"head_dim={head_dim} KVBlockSize={call.kv_cache.shape[1]} next_n={next_n}"
+    )
+
+
+def flydsl_note(call: Call, router: FlyDSLRouter) -> str:
+    """For the first-taken log line: the table's FlyDSL pick, when a table decided."""
+    table = router.table
+    pick = _choice(call, router)
+    if table is None or pick is None:
+        return ""
+    return f"; {_where(table, pick[1], pick[2])} measured FlyDSL faster"

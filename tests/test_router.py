@@ -3,83 +3,23 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer.adapter import FlyDSLRouter, StockHooks
+from conftest import (
+    OpAudit,
+    Recorder,
+    as_args,
+    base_problem,
+    flydsl_double,
+    hooks,
+    router_for,
+)
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
-from vllm_flydsl_indexer.kernels import identify
 from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference, make_paged_problem
-
-LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
-
-
-class Recorder:
-    """Stands in for vLLM's original function: records calls, returns a marker."""
-
-    def __init__(self):
-        self.calls = []
-        self.marker = torch.full((1,), 7.0)
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return self.marker
-
-
-def flydsl_double():
-    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
-
-    return general.flydsl_fp8_paged_mqa_logits
-
-
-def general_variant(fn=None):
-    """The general (PR #4221) variant, identified from its double; ``fn`` replaces the launch target."""
-    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
-
-    variant = identify(general.flydsl_fp8_paged_mqa_logits, general)
-    assert variant.name == "general", variant
-    return variant if fn is None else dataclasses.replace(variant, fn=fn)
-
-
-def router_for(original, fn=None, hooks_=None, **kw):
-    return FlyDSLRouter(original, general_variant(fn), hooks_ or hooks(), LOGGER, **kw)
-
-
-def hooks(buffer=None, dcp=1, gluon=True, preshuffle=lambda bs: bs > 1):
-    return StockHooks(
-        preshuffle=preshuffle,
-        stock_uses_gluon=lambda ratio, bs: gluon,
-        output_buffer=lambda rows, mml: (
-            buffer if buffer is not None else torch.full((rows, mml), float("nan"))
-        ),
-        per_sequence_lens=lambda t: t[:, -1].contiguous() if t.dim() == 2 and t.shape[1] > 1 else t,
-        dcp_world_size=lambda: dcp,
-    )
-
-
-def base_problem(**kw):
-    args = dict(next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
-    args.update(kw)
-    return make_paged_problem([130, 5, 64], generator=torch.Generator().manual_seed(5), **args)
-
-
-def as_args(p, **override):
-    args = dict(
-        q_fp8=p.q_fp8,
-        kv_cache_fp8=p.kv_cache,
-        weights=p.weights,
-        context_lens=p.context_lens,
-        block_tables=p.block_tables,
-        schedule_metadata=None,
-        max_model_len=p.max_model_len,
-    )
-    args.update(override)
-    return tuple(args.values())
 
 
 def _violations():
@@ -206,21 +146,6 @@ def test_next_n_1_is_taken_under_dcp_and_compression():
     router = router_for(original, hooks_=hooks(dcp=4))
     router(*as_args(p), compress_ratio=2)  # an unknown caller: next_n == 1 is always safe
     assert original.calls == [] and router.calls_taken == 1
-
-
-class OpAudit(TorchDispatchMode):
-    """Records every aten op the adapter itself dispatches (kernel excluded)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[tuple[str, list]] = []
-        self.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
-            tensors = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
-            self.ops.append((func._schema.name, tensors))
-        return func(*args, **(kwargs or {}))
 
 
 SYNC_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::equal", "aten::is_nonzero"}

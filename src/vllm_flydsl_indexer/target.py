@@ -1,0 +1,53 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The patch target: vLLM's decode-logits function, where it lives, and its signature.
+
+Written once here; the gates check the signature, the patch replaces the
+function, the call-site audit names the defining module, and the tools call
+the original through :func:`unpatched`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
+TARGET_NAME = "rocm_fp8_paged_mqa_logits"
+# The signature this package was written against (vLLM 0.32.0, 0.33.0 and 0.34.0).
+TARGET_POSITIONAL = (
+    "q_fp8",
+    "kv_cache_fp8",
+    "weights",
+    "context_lens",
+    "block_tables",
+    "schedule_metadata",
+    "max_model_len",
+)
+TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
+# Set on the patch's wrapper, so the original can always be found behind it.
+MARKER = "_vllm_flydsl_indexer"
+
+
+def signature_problem(fn: object) -> str | None:
+    """Why ``fn`` does not have the target signature, or ``None``."""
+    if not callable(fn):
+        return f"{TARGET_NAME} is missing"
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError) as e:
+        return f"signature unreadable ({e})"
+    positional = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    keyword_only = {p.name: p.default for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    others = [
+        p.name
+        for p in params
+        if p.kind not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    ]
+    if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or others:
+        return f"signature {inspect.signature(fn)} differs from the one this package supports"
+    return None
+
+
+def unpatched(fn: Callable) -> Callable:
+    """``fn`` itself, or the original function when ``fn`` is this package's wrapper."""
+    return fn.__wrapped__ if getattr(fn, MARKER, False) else fn
