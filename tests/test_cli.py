@@ -66,8 +66,11 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     strict = cli(["doctor", "--strict"], env)
     assert strict.returncode == 1 and "would not be active" in strict.stderr
     text = cli(["doctor"], env).stdout
-    assert text.count(data["switch"]["error"]) == 1, text  # once, on gate 1; the rest points there
-    assert text.count("'maybe'") == 1, text
+    # Once on gate 1, and once in the log line, printed exactly as the plugin logs it; the rest points there.
+    assert text.count(data["switch"]["error"]) == 2, text
+    assert text.count("'maybe'") == 2, text
+    assert f"\nlog line: {data['log_line']}\n" in text and data["switch"]["error"] in data["log_line"]
+    assert "<gate" not in text
     assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
 
 
@@ -84,6 +87,13 @@ def test_doctor_with_vllm_but_not_rocm():
     assert text.returncode == 0
     assert "  4. gfx950  skipped (vLLM reads the arch only on ROCm)" in text.stdout
     assert "FAIL not checked" not in text.stdout
+    # Stock here is vLLM's path for this platform, not Gluon.
+    assert data["stock"].startswith("not a ROCm gfx950 GPU")
+    assert (
+        "\narm:      stock (not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon)  ("
+        in text.stdout
+    )
+    assert "stock (Gluon)" not in text.stdout
     assert cli(["doctor", "--strict"], env).returncode == 1
 
 
@@ -91,6 +101,8 @@ def test_doctor_without_vllm():
     env = no_vllm_env(**{envs.SWITCH: "1"})
     text = cli(["doctor"], env)
     assert text.returncode == 0, text.stderr[-2000:]
+    assert "\narm:      stock (vLLM not installed)  (gate 2, vllm, above)\n" in text.stdout
+    assert "(FlyDSL inactive: vLLM is not installed)" in text.stdout and "Gluon" not in text.stdout
     data = json.loads(cli(["doctor", "--json"], env).stdout)
     assert data["versions"]["vllm"] == "not installed"
     assert data["versions"]["aiter"] == "not installed"
@@ -227,7 +239,9 @@ def test_bench_skips_pools_over_two_gib():
 
 def test_python_m_entry_and_console_script_agree():
     exe = os.path.join(os.path.dirname(sys.executable), "vllm-flydsl-indexer")
-    a = subprocess.run([exe, "doctor", "--json"], env=no_vllm_env(), capture_output=True, text=True)
+    env = no_vllm_env()
+    env["PYTHONPATH"] += os.pathsep + PACKAGE_ROOT  # the package under test, as cli() runs it
+    a = subprocess.run([exe, "doctor", "--json"], env=env, capture_output=True, text=True)
     b = cli(["doctor", "--json"], no_vllm_env())
     assert a.returncode == b.returncode == 0
     assert json.loads(a.stdout)["reason"] == json.loads(b.stdout)["reason"]
@@ -474,3 +488,44 @@ def test_progress_in_a_log_is_one_plain_line_per_step():
         "check [################........] 3/3 case c",
     ]
     assert lines[3].startswith("check [########################] 3/3 done in") and len(lines) == 4
+
+
+# ---------------------------------------------------------------- doctor wording
+
+
+def test_doctor_names_an_unset_or_off_switch_and_what_turns_it_on():
+    from vllm_flydsl_indexer import doctor
+
+    for environ, switch_line, gate_text in (
+        (
+            {},
+            f"{envs.SWITCH} is not set: off (1/true enables it)",
+            f"{envs.SWITCH} is not set (1/true enables it)",
+        ),
+        ({envs.SWITCH: "0"}, f"{envs.SWITCH}='0' (parsed, off)", f"{envs.SWITCH}=0 (off; 1/true enables it)"),
+    ):
+        data = doctor.report(environ)
+        text = doctor.render(data)
+        assert f"\nswitch:   {switch_line}\n" in text
+        assert f"  1. switch  FAIL {gate_text}\n" in text
+        assert f"log line: vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {gate_text})" in text
+        assert "is not set to 1" not in text and "unset (parsed" not in text and "<gate" not in text
+        assert f"\narm:      stock ({data['stock']})  (gate 1, switch, above)\n" in text
+
+
+def test_doctor_says_what_stock_runs_gluon_only_on_a_rocm_gfx950_vllm():
+    from vllm_flydsl_indexer import doctor
+
+    assert (
+        doctor.stock_report({"vllm_platform": "vLLM not installed", "gcn_arch": None}) == "vLLM not installed"
+    )
+    for platform in (
+        {"vllm_platform": "CpuPlatform", "gcn_arch": None},
+        {"vllm_platform": "R", "gcn_arch": "gfx942"},
+    ):
+        assert (
+            doctor.stock_report(platform)
+            == "not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon"
+        )
+    # This process simulates gfx950 with aiter on: there, and only there, stock is Gluon.
+    assert doctor.stock_report({"vllm_platform": "RocmPlatform", "gcn_arch": "gfx950:sramecc+"}) == "Gluon"
