@@ -66,8 +66,11 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     strict = cli(["doctor", "--strict"], env)
     assert strict.returncode == 1 and "would not be active" in strict.stderr
     text = cli(["doctor"], env).stdout
-    assert text.count(data["switch"]["error"]) == 1, text  # once, on gate 1; the rest points there
-    assert text.count("'maybe'") == 1, text
+    # Once on gate 1, and once in the log line, printed exactly as the plugin logs it; the rest points there.
+    assert text.count(data["switch"]["error"]) == 2, text
+    assert text.count("'maybe'") == 2, text
+    assert f"\nlog line: {data['log_line']}\n" in text and data["switch"]["error"] in data["log_line"]
+    assert "<gate" not in text
     assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
 
 
@@ -84,6 +87,13 @@ def test_doctor_with_vllm_but_not_rocm():
     assert text.returncode == 0
     assert "  4. gfx950  skipped (vLLM reads the arch only on ROCm)" in text.stdout
     assert "FAIL not checked" not in text.stdout
+    # Stock here is vLLM's path for this platform, not Gluon.
+    assert data["stock"].startswith("not a ROCm gfx950 GPU")
+    assert (
+        "\narm:      stock (not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon)  ("
+        in text.stdout
+    )
+    assert "stock (Gluon)" not in text.stdout
     assert cli(["doctor", "--strict"], env).returncode == 1
 
 
@@ -91,6 +101,8 @@ def test_doctor_without_vllm():
     env = no_vllm_env(**{envs.SWITCH: "1"})
     text = cli(["doctor"], env)
     assert text.returncode == 0, text.stderr[-2000:]
+    assert "\narm:      stock (vLLM not installed)  (gate 2, vllm, above)\n" in text.stdout
+    assert "(FlyDSL inactive: vLLM is not installed)" in text.stdout and "Gluon" not in text.stdout
     data = json.loads(cli(["doctor", "--json"], env).stdout)
     assert data["versions"]["vllm"] == "not installed"
     assert data["versions"]["aiter"] == "not installed"
@@ -209,7 +221,8 @@ def test_bench_names_every_file_it_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "plot", lambda results, meta, path: drawn.append(path))
     result = bench.ArmResult(dict(bench.Shape(32, 128, 64, 1, 1, 1024).__dict__), "reference", False, "timed")
     args = Namespace(json_path="r.json", csv_path="r.csv", plot_path="r.png")
-    lines = bench.write_outputs([result], {"device": "cpu"}, args)
+    lines, failed = bench.write_outputs([result], {"device": "cpu"}, args)
+    assert failed == []
     assert lines == [
         f"bench: wrote JSON to {tmp_path / 'r.json'}",
         f"bench: wrote CSV to {tmp_path / 'r.csv'}",
@@ -227,7 +240,9 @@ def test_bench_skips_pools_over_two_gib():
 
 def test_python_m_entry_and_console_script_agree():
     exe = os.path.join(os.path.dirname(sys.executable), "vllm-flydsl-indexer")
-    a = subprocess.run([exe, "doctor", "--json"], env=no_vllm_env(), capture_output=True, text=True)
+    env = no_vllm_env()
+    env["PYTHONPATH"] += os.pathsep + PACKAGE_ROOT  # the package under test, as cli() runs it
+    a = subprocess.run([exe, "doctor", "--json"], env=env, capture_output=True, text=True)
     b = cli(["doctor", "--json"], no_vllm_env())
     assert a.returncode == b.returncode == 0
     assert json.loads(a.stdout)["reason"] == json.loads(b.stdout)["reason"]
@@ -310,14 +325,61 @@ BAD_INPUT = [
     (["bench", "--csv", "/nonexistent/dir/x.csv"], "--csv", "does not exist"),
     (["bench", "--tune", "/nonexistent/dir/t.csv"], "--tune", "does not exist"),
     (["bench", "--batch", "1", "--context-len", "64,1", "--next-n", "2"], "--next-n", "<= --context-len"),
+    # Limits over two options, checked with the default of the one not given (no GPU here).
+    (["check", "--next-n", "4096"], "--next-n", "<= --context-len 2048 (the default on CPU), got 4096"),
+    (["check", "--context-len", "1"], "--context-len", ">= 2, the largest of --next-n 1,2 (the default)"),
+    (["check", "--context-len", "1", "--next-n", "2"], "--next-n", "<= --context-len 1, got 2"),
+    (["bench", "--next-n", "5000"], "--next-n", "<= --context-len (4096, the default), got 5000"),
+    (["bench", "--tune", "t.csv", "--reference", "--next-n", "2000"], "--next-n", "(1024, the default)"),
+    # What the tool can run: 2 GiB of KV pool and of logits, said in the message.
+    (
+        ["check", "--batch", "1000000000"],
+        "--batch",
+        "at most 7943 at --context-len 2048 (the default on CPU)",
+    ),
+    (["check", "--context-len", "1000000000"], "--context-len", "at most 4067136 at --batch 4 (the default"),
+    (["check", "--batch", "64", "--context-len", "300000"], "--batch", "at most 54 at --context-len 300000"),
+    (["check", "--batch", "1", "--context-len", "99999999"], "--context-len", "under 2 GiB (FlyDSL's i32"),
+    (["check", "--next-n", "4096", "--context-len", "65536"], "--next-n", "at most 2047 at --batch 4 (the"),
+    (["check", "--topk", "1000000000"], "--topk", "<= --context-len 2048 (the default on CPU), the longest"),
+    (["check", "--topk", "513", "--context-len", "512"], "--topk", "<= --context-len 512, the longest row"),
+    (
+        ["bench", "--batch", "1000000000"],
+        "--batch",
+        "at most 3971 at --next-n 1 (the smallest of --next-n 1,2",
+    ),
+    (["bench", "--batch", "1,2", "--context-len", "1000000000"], "--context-len", "at most 16268815 at"),
+    (["bench", "--batch", "1,,2"], "--batch", "comma list of positive integers"),
+    (["bench", "--arms", "gluon,,flydsl"], "--arms", "comma list of gluon"),
+    (["check", "--block-size", "64,,1"], "--block-size", "comma list of KVBlockSize"),
+    # An output that cannot be opened (root passes os.access on /proc): refused before the run.
+    (["bench", "--csv", "/proc/out.csv"], "--csv", "cannot open /proc/out.csv for writing"),
+    (["bench", "--json", "/proc/out.json"], "--json", "cannot open /proc/out.json for writing"),
+    (["bench", "--tune", "/proc/t.csv", "--reference"], "--tune", "cannot open /proc/t.csv for writing"),
+    # bench --tune: options it would not use, and no gfx950 GPU (before the kernel probe).
+    (["bench", "--tune", "t.csv"], "--tune", "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels"),
+    (["bench", "--tune", "t.csv", "--device", "cpu"], "--tune", "got --device cpu; add --reference"),
+    (["bench", "--tune", "t.csv", "--reference", "--csv", "b.csv"], "--csv", "not used with --tune"),
+    (["bench", "--tune", "t.csv", "--reference", "--plot", "b.png"], "--plot", "not used with --tune"),
+    (["bench", "--tune", "t.csv", "--reference", "--arms", "gluon"], "--arms", "not used with --tune"),
+    (["bench", "--tune", "t.csv", "--reference", "--vary-lengths"], "--vary-lengths", "not used with"),
+    (["bench", "--tune", "t.csv", "--reference", "--pool-blocks", "8"], "--pool-blocks", "not used with"),
+    # Controls: accepted, each reaches its command.
+    (["check", "--context-len", "1", "--next-n", "1"], None, None),
+    (["check", "--topk", "2048"], None, None),
+    (["check", "--batch", "7943"], None, None),
+    (["bench", "--next-n", "4096"], None, None),
+    (["bench", "--batch", "3971"], None, None),
+    (["bench", "--tune", "t.csv", "--reference", "--json", "j.json"], None, None),
 ]
 
 
 @pytest.mark.parametrize("argv,argument,accepted", BAD_INPUT, ids=[" ".join(c[0]) for c in BAD_INPUT])
 def test_bad_input_is_one_line_naming_the_argument_before_any_work(
-    argv, argument, accepted, no_work, monkeypatch, capsys
+    argv, argument, accepted, no_work, monkeypatch, capsys, tmp_path
 ):
     no_gpu(monkeypatch)
+    monkeypatch.chdir(tmp_path)  # relative output files land here; none is left behind
     if argument is None:  # the control: accepted input reaches the command
         from vllm_flydsl_indexer import cli as cli_mod
 
@@ -325,8 +387,9 @@ def test_bad_input_is_one_line_naming_the_argument_before_any_work(
         return
     line = rejected(argv, capsys)
     assert line.startswith(f"vllm-flydsl-indexer {argv[0]}: error: argument {argument}: "), line
-    assert accepted in line
+    assert accepted in line, line
     assert no_work == []
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_output_directory_must_be_writable(tmp_path, no_work, monkeypatch, capsys):
@@ -383,15 +446,79 @@ def test_valid_values_reach_the_commands_parsed(no_work, monkeypatch):
     assert no_work[-1].batch == (1, 4) and no_work[-1].arms == "reference,stock-call[ref]"
 
 
+def test_limits_use_the_gpu_defaults_on_a_gpu(no_work, monkeypatch, capsys):
+    """Without --context-len, --next-n is checked against the default of the device that will run."""
+    import torch
+
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert cli_mod.main(["check", "--next-n", "511"]) == 0  # the GPU default context is 32768
+    assert cli_mod.main(["check", "--next-n", "511", "--device", "cuda"]) == 0
+    line = rejected(["check", "--next-n", "4096"], capsys)  # 17 GB of logits at the GPU defaults
+    assert line.endswith(
+        "--next-n: must be at most 511 at --batch 32 (the default on GPU) and --context-len 32768 "
+        "(the default on GPU): each case's KV pool and logits buffer must stay under 2 GiB "
+        "(FlyDSL's i32 offsets), got 4096"
+    )
+    line = rejected(["check", "--next-n", "40000"], capsys)
+    assert line.endswith(
+        "--next-n: each value must be <= --context-len 32768 (the default on GPU), got 40000"
+    )
+    line = rejected(["check", "--next-n", "4096", "--device", "cpu"], capsys)
+    assert "<= --context-len 2048 (the default on CPU)" in line
+    line = rejected(["check", "--batch", "1000"], capsys)
+    assert "--batch: must be at most 496 at --context-len 32768 (the default on GPU)" in line
+    assert len(no_work) == 2
+
+
+@pytest.mark.parametrize("command", ["check", "bench"])
+def test_running_out_of_memory_is_one_line_not_a_traceback(command, monkeypatch, capsys):
+    """The limits are what the tool can run; a machine with less memory gets one line, exit 1."""
+    from vllm_flydsl_indexer import bench, check
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    def out_of_memory(args):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes.")
+
+    monkeypatch.setattr({"check": check, "bench": bench}[command], "main", out_of_memory)
+    assert cli_mod.main([command, "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"vllm-flydsl-indexer {command}: error: out of memory (DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 9 bytes.); try a smaller --batch, --context-len or --next-n"
+    ]
+    monkeypatch.setattr(check, "main", lambda args: 1 / 0)  # any other error is a bug: it propagates
+    with pytest.raises(ZeroDivisionError):
+        cli_mod.main(["check", "--device", "cpu"])
+
+
 def test_missing_command_is_one_line_naming_the_commands(capsys):
     line = rejected([], capsys)
     assert line == "vllm-flydsl-indexer: error: the following arguments are required: {doctor,check,bench}"
 
 
-@pytest.mark.parametrize(
-    "argv", [["check", "--batch", "-3"], ["bench", "--plot", "/nonexistent/dir/x.png"]], ids=" ".join
-)
+CONSOLE_BAD_INPUT = [
+    ["check", "--batch", "-3"],
+    ["bench", "--plot", "/nonexistent/dir/x.png"],
+    # Each of these once ended in a traceback, a hang, or a late error after the whole run.
+    ["check", "--next-n", "4096", "--device", "cpu"],
+    ["check", "--context-len", "1", "--device", "cpu"],
+    ["check", "--batch", "1000000000"],
+    ["check", "--context-len", "1000000000"],
+    ["check", "--topk", "1000000000", "--device", "cpu"],
+    ["bench", "--next-n", "5000"],
+    ["bench", "--batch", "1,,2"],
+    ["bench", "--csv", "/proc/out.csv"],
+    ["bench", "--tune", "/proc/t.csv", "--reference"],
+]
+
+
+@pytest.mark.parametrize("argv", CONSOLE_BAD_INPUT, ids=" ".join)
 def test_console_bad_input_exits_2_with_one_line_and_no_traceback(argv):
+    if "/proc/" in " ".join(argv) and not os.path.isdir("/proc"):
+        pytest.skip("no /proc on this machine")
     proc = cli(argv, no_vllm_env(), timeout=60)
     assert proc.returncode == 2
     assert proc.stdout == ""
@@ -474,3 +601,161 @@ def test_progress_in_a_log_is_one_plain_line_per_step():
         "check [################........] 3/3 case c",
     ]
     assert lines[3].startswith("check [########################] 3/3 done in") and len(lines) == 4
+
+
+# ---------------------------------------------------------------- does what it says
+
+
+def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys):
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    argv = ["check", "--next-n", "1", "--context-len", "1", "--batch", "1", "--device", "cpu"]
+    rc = cli_mod.main([*argv, "--model", "glm-5", "--block-size", "64"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
+    assert len(rows) == 9 and all(r.endswith("PASS") for r in rows), out
+    assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
+    notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
+    assert len(notes) == 1 and "the 6 bounds cases of MTP (next_n > 1) were not run" in notes[0]
+    assert "9 passed, 0 failed" in out
+
+
+def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():
+    from vllm_flydsl_indexer.check import build_cases, not_run_note
+
+    default = build_cases(["glm-5"], (64,), (1, 2), 2, 64)
+    assert len(default) == 16 and not_run_note((1, 2)) is None
+    assert {c.next_n for c in default} == {1, 2}
+    assert "DSV4.1 ratio 2 next_n=2 (same shapes)" in [c.label for c in default]
+    only_one = build_cases(["glm-5"], (64,), (1,), 2, 64)
+    assert {c.next_n for c in only_one} == {1} and len(only_one) == 9
+    three = build_cases(["glm-5"], (64,), (1, 3), 2, 64)
+    assert {c.next_n for c in three} == {1, 3} and len(three) == 16
+    same = [c for c in three if c.same_shapes_as]
+    assert [c.same_shapes_as for c in same] == ["DSV4.1 ratio 1 next_n=3"]
+    assert [c.flattened for c in three if c.kind == "flattened"] == [3]
+
+
+def test_tune_with_json_writes_it_and_takes_an_empty_csv_as_new(tmp_path, capsys):
+    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer import tuning
+
+    table, report = tmp_path / "t.csv", tmp_path / "j.json"
+    table.touch()  # an existing, empty file: a new table
+    argv = ["bench", "--tune", str(table), "--reference", "--json", str(report), "--device", "cpu"]
+    small = ["--heads", "32", "--block-size", "64", "--next-n", "1", "--batch", "1", "--repeats", "1"]
+    assert cli_mod.main([*argv, *small, "--warmup", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "wrote 1 rows" in out and "kept 0 earlier rows" in out
+    assert f"bench --tune: wrote JSON to {report}" in out
+    data = json.loads(report.read_text())
+    assert data["meta"]["gfx"] == "reference" and data["meta"]["device"] == "cpu"
+    assert len(data["rows"]) == 1 and list(data["rows"][0]) == list(tuning.COLUMNS)
+    lines = table.read_text().splitlines()
+    assert lines[0] == ",".join(tuning.COLUMNS) and len(lines) == 2
+    assert lines[1].split(",")[:3] == ["reference", "1", "1"]
+
+
+def test_bench_keeps_the_results_when_a_late_write_fails(tmp_path, monkeypatch, capsys):
+    """The outputs were opened before the run; should a write still fail, the results go to stdout."""
+    import shutil
+
+    from vllm_flydsl_indexer import bench
+    from vllm_flydsl_indexer import cli as cli_mod
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    shape = bench.Shape(32, 128, 64, 1, 1, 1024)
+    result = bench.ArmResult(dict(shape.__dict__), "reference", False, "timed", median_us=12.5)
+
+    def run(args):
+        shutil.rmtree(out_dir)  # the directory goes away during the run
+        return [result], {
+            "device": "cpu",
+            "arms": "a",
+            "arms_why": "",
+            "stock": "s",
+            "repeats": 1,
+            "input_sets": 1,
+            "copy_bw_gbps": None,
+        }
+
+    monkeypatch.setattr(bench, "run", run)
+    rc = cli_mod.main(
+        ["bench", "--device", "cpu", "--csv", str(out_dir / "b.csv"), "--json", str(out_dir / "b.json")]
+    )
+    out = capsys.readouterr()
+    assert rc == 1
+    assert "Traceback" not in out.err
+    errors = out.err.splitlines()
+    assert len(errors) == 2 and all(e.startswith("bench: could not write ") for e in errors), out.err
+    assert "median_us" in out.out and "12.5" in out.out  # the CSV and the JSON, on stdout
+    printed = out.out.split("--- the JSON that could not be written")[1].split("\n", 1)[1]
+    assert json.loads(printed.split("--- end ---")[0])["results"][0]["median_us"] == 12.5
+
+
+def test_tune_keeps_the_rows_when_the_late_write_fails(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer import tune
+
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    real = tune.tune_rows
+
+    def rows_then_lose_the_directory(*a, **k):
+        rows = real(*a, **k)
+        shutil.rmtree(out_dir)
+        return rows
+
+    monkeypatch.setattr(tune, "tune_rows", rows_then_lose_the_directory)
+    argv = ["bench", "--tune", str(out_dir / "t.csv"), "--reference", "--device", "cpu", "--heads", "32"]
+    small = ["--block-size", "64", "--next-n", "1", "--batch", "1", "--repeats", "1", "--warmup", "0"]
+    rc = cli_mod.main([*argv, *small])
+    out = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in out.err
+    assert out.err.splitlines()[-1].startswith("bench --tune: could not write ")
+    assert "gfx,cu_num,batch_size" in out.out and "\nreference,1,1,1,32,128,64,1,1024," in out.out
+
+
+# ---------------------------------------------------------------- doctor wording
+
+
+def test_doctor_names_an_unset_or_off_switch_and_what_turns_it_on():
+    from vllm_flydsl_indexer import doctor
+
+    for environ, switch_line, gate_text in (
+        (
+            {},
+            f"{envs.SWITCH} is not set: off (1/true enables it)",
+            f"{envs.SWITCH} is not set (1/true enables it)",
+        ),
+        ({envs.SWITCH: "0"}, f"{envs.SWITCH}='0' (parsed, off)", f"{envs.SWITCH}=0 (off; 1/true enables it)"),
+    ):
+        data = doctor.report(environ)
+        text = doctor.render(data)
+        assert f"\nswitch:   {switch_line}\n" in text
+        assert f"  1. switch  FAIL {gate_text}\n" in text
+        assert f"log line: vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {gate_text})" in text
+        assert "is not set to 1" not in text and "unset (parsed" not in text and "<gate" not in text
+        assert f"\narm:      stock ({data['stock']})  (gate 1, switch, above)\n" in text
+
+
+def test_doctor_says_what_stock_runs_gluon_only_on_a_rocm_gfx950_vllm():
+    from vllm_flydsl_indexer import doctor
+
+    assert (
+        doctor.stock_report({"vllm_platform": "vLLM not installed", "gcn_arch": None}) == "vLLM not installed"
+    )
+    for platform in (
+        {"vllm_platform": "CpuPlatform", "gcn_arch": None},
+        {"vllm_platform": "R", "gcn_arch": "gfx942"},
+    ):
+        assert (
+            doctor.stock_report(platform)
+            == "not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon"
+        )
+    # This process simulates gfx950 with aiter on: there, and only there, stock is Gluon.
+    assert doctor.stock_report({"vllm_platform": "RocmPlatform", "gcn_arch": "gfx950:sramecc+"}) == "Gluon"

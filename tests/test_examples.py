@@ -42,7 +42,9 @@ SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
 TUNED_VAR = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
 MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
 ACTIVE = "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE (aiter FlyDSL replaces stock)"
-STOCK = f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {SWITCH} is not set to 1)"
+STOCK = (
+    f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {SWITCH} is not set (1/true enables it))"
+)
 DISAGREE = "vllm-flydsl-indexer: FlyDSL and stock paged MQA logits DISAGREE on the first eligible call: x"
 
 

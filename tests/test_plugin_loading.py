@@ -60,7 +60,8 @@ def test_switch_off_imports_nothing_more():
     result = probe(simulation_env())
     assert result["patched"] is False
     assert result["lines"] == [
-        f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {envs.SWITCH} is not set to 1)"
+        "vllm-flydsl-indexer: stock paged MQA logits "
+        f"(FlyDSL inactive: {envs.SWITCH} is not set (1/true enables it))"
     ]
     # Only the package itself and its switch parsing; no gates, kernel probe or aiter.
     assert set(result["new_modules"]) <= {

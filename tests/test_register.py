@@ -83,9 +83,13 @@ def test_switch_off_patches_nothing(target, original, monkeypatch, fresh_registe
     monkeypatch.setenv(envs.SWITCH, value)
     fresh_register()
     assert_untouched(target, original)
-    assert lines(plugin_log) == [
-        f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {envs.SWITCH} is not set to 1)"
-    ]
+    reason = (
+        f"{envs.SWITCH} is not set (1/true enables it)"
+        if not value.strip()
+        else f"{envs.SWITCH}={value.strip()} (off; 1/true enables it)"
+    )
+    assert lines(plugin_log) == [f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {reason})"]
+    assert "is not set to 1" not in lines(plugin_log)[0]  # "true" enables it too
     assert plugin_log[0].levelno == logging.INFO  # nobody asked for FlyDSL
 
 

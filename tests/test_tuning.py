@@ -303,14 +303,20 @@ def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsy
     from vllm_flydsl_indexer import cli
 
     path = tmp_path / "tuned.csv"
-    assert cli.main(["bench", "--tune", str(path), "--device", "cpu", *TUNE_ARGS]) == 2
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["bench", "--tune", str(path), "--device", "cpu", *TUNE_ARGS])
+    assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels" in err[0]
+    assert err[0].startswith("vllm-flydsl-indexer bench: error: argument --tune: ")
     assert not path.exists()
     foreign = tmp_path / "other.csv"
     foreign.write_text("a,b\n1,2\n")
-    with pytest.raises(SystemExit, match="not an aiter-format tuned CSV"):
+    with pytest.raises(SystemExit) as refused:
         cli.main(["bench", "--tune", str(foreign), "--reference", "--device", "cpu", *TUNE_ARGS])
+    assert refused.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not an aiter-format tuned CSV" in err[0]
     assert foreign.read_text() == "a,b\n1,2\n"
 
 

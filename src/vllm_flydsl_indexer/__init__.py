@@ -63,7 +63,7 @@ def _register(logger: logging.Logger) -> None:
     switch = envs.read_flag(envs.SWITCH)
     if not switch.enabled:
         # Off: import nothing more and patch nothing.
-        reason = switch.error or f"{envs.SWITCH} is not set to 1"
+        reason = envs.off_reason(switch)
         level = logging.WARNING if switch.error else logging.INFO
         logger.log(level, "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: %s)", reason)
         return

@@ -22,6 +22,7 @@ events after warm-up; the median, min and max over repeats are reported.
 from __future__ import annotations
 
 import csv
+import io
 import itertools
 import json
 import os
@@ -33,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from vllm_flydsl_indexer import cli_args
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.arms import Arms, detect_arms
 from vllm_flydsl_indexer.cases import INDEXER
@@ -46,19 +48,13 @@ from vllm_flydsl_indexer.reference import (
     per_sequence_lens,
 )
 
-POOL_LIMIT_BYTES = 2**31  # FlyDSL's i32 offsets
+POOL_LIMIT_BYTES = cli_args.I32_LIMIT  # FlyDSL's i32 offsets
 CPU_NOTE = (
     "note: CPU timings show the harness working, not kernel speed "
     "(the reference arms vary severalfold between identical runs)"
 )
-GPU_GRID = dict(
-    heads=(64, 32),
-    block_size=(1, 64),
-    next_n=(1, 2),
-    batch=(1, 8, 32, 128),
-    context_len=(4096, 32768, 131072),
-)
-CPU_GRID = dict(heads=(64, 32), block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
+GPU_GRID = cli_args.BENCH_GPU_GRID
+CPU_GRID = cli_args.BENCH_CPU_GRID
 
 
 @dataclass
@@ -79,8 +75,18 @@ class Shape:
         )
 
     def pool_bytes(self) -> int:
-        blocks = self.batch * -(-self.context_len // self.block_size)
-        return blocks * self.block_size * (self.head_dim + 4)
+        return cli_args.kv_pool_bytes(self.batch, self.context_len, self.block_size, self.head_dim)
+
+    def logits_bytes(self) -> int:
+        return self.batch * self.next_n * self.context_len * cli_args.LOGIT_BYTES
+
+    def skipped(self, pool_blocks: int | None) -> str | None:
+        """Why this shape is not run, or ``None``."""
+        if self.pool_bytes() >= POOL_LIMIT_BYTES and not pool_blocks:
+            return "skipped: KV pool >= 2 GiB (FlyDSL i32 offsets)"
+        if self.logits_bytes() >= cli_args.I32_LIMIT:
+            return "skipped: logits buffer >= 2 GiB"
+        return None
 
 
 @dataclass
@@ -253,20 +259,19 @@ def run(args) -> tuple[list[ArmResult], dict]:
     results: list[ArmResult] = []
     shapes = shapes_from(args, device)
     wanted = set(args.arms.split(",")) if args.arms else None
-    paths = build_paths(
-        arms,
-        device,
-        max(s.batch * s.next_n for s in shapes),
-        max(s.context_len for s in shapes),
-        quiet_logger(),
+    # The output buffer is sized for the largest shape that runs (it grows on demand).
+    largest = max(
+        (s for s in shapes if not s.skipped(args.pool_blocks)),
+        key=lambda s: s.batch * s.next_n * s.context_len,
+        default=shapes[0],
     )
+    paths = build_paths(arms, device, largest.batch * largest.next_n, largest.context_len, quiet_logger())
     with paths.session(), Progress(len(shapes), "bench") as progress:
         for idx, shape in enumerate(shapes):
             progress.step(shape.label)
-            if shape.pool_bytes() >= POOL_LIMIT_BYTES and not args.pool_blocks:
-                results.append(
-                    ArmResult(asdict(shape), "*", False, "skipped: KV pool >= 2 GiB (FlyDSL i32 offsets)")
-                )
+            skipped = shape.skipped(args.pool_blocks)
+            if skipped:
+                results.append(ArmResult(asdict(shape), "*", False, skipped))
                 continue
             gen = torch.Generator().manual_seed(args.seed + idx)
             problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
@@ -384,27 +389,46 @@ def render(results: list[ArmResult], meta: dict) -> str:
     return "\n".join(head + [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in rows])
 
 
-def write_outputs(results: list[ArmResult], meta: dict, args) -> list[str]:
-    """Write the requested files; returns one line per file written, naming where."""
-    written = []
+def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str], list[str]]:
+    """Write the requested files: one line per file written, and one per file that failed.
+
+    Each file was opened for writing before the run (``cli_args.output_problem``).
+    Should a write still fail, the JSON or CSV goes to stdout instead, so that what
+    was measured is never lost (the table above has every timing a plot would show).
+    """
+    written, failed = [], []
+    texts = {}
     if args.json_path:
-        with open(args.json_path, "w") as f:
-            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
-        written.append(f"bench: wrote JSON to {os.path.abspath(args.json_path)}")
+        texts["JSON", args.json_path] = json.dumps(
+            {"meta": meta, "results": [asdict(r) for r in results]}, indent=1
+        )
     if args.csv_path:
         flat = [
             {**r.shape, **{k: v for k, v in asdict(r).items() if k not in ("shape", "extra")}}
             for r in results
         ]
-        with open(args.csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(flat[0]))
-            writer.writeheader()
-            writer.writerows(flat)
-        written.append(f"bench: wrote CSV to {os.path.abspath(args.csv_path)}")
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(flat[0]))
+        writer.writeheader()
+        writer.writerows(flat)
+        texts["CSV", args.csv_path] = out.getvalue()
+    for (kind, path), text in texts.items():
+        try:
+            with open(path, "w", newline="") as f:
+                f.write(text)
+        except OSError as e:
+            print(f"--- the {kind} that could not be written to {path} ---\n{text.rstrip()}\n--- end ---")
+            failed.append(f"bench: could not write {kind} to {path} ({e.strerror or e}); printed it above")
+            continue
+        written.append(f"bench: wrote {kind} to {os.path.abspath(path)}")
     if args.plot_path:
-        plot(results, meta, args.plot_path)
-        written.append(f"bench: wrote the plot to {os.path.abspath(args.plot_path)}")
-    return written
+        try:
+            plot(results, meta, args.plot_path)
+        except OSError as e:
+            failed.append(f"bench: could not write the plot to {args.plot_path} ({e.strerror or e})")
+        else:
+            written.append(f"bench: wrote the plot to {os.path.abspath(args.plot_path)}")
+    return written, failed
 
 
 def plot(results: list[ArmResult], meta: dict, path: str) -> None:
@@ -442,10 +466,12 @@ def main(args) -> int:
         return tune.main(args)
     results, meta = run(args)
     print(render(results, meta))
-    for line in write_outputs(results, meta, args):
+    written, unwritten = write_outputs(results, meta, args)
+    for line in written:
         print(line)
+    for line in unwritten:
+        print(line, file=sys.stderr)
     failed = [r for r in results if r.status.startswith("FAILED")]
     if failed:
         print(f"bench: {len(failed)} arm(s) failed the correctness gate and were not timed", file=sys.stderr)
-        return 1
-    return 0
+    return 1 if failed or unwritten else 0

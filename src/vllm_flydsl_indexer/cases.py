@@ -10,6 +10,8 @@ Two kinds of case:
   (ratio 1 then ratio 2 with identical shapes, and C4A), GLM-5-next's kpool
   pooled bounds, simulated DCP 2, a strided cache, a first call during graph
   capture, ``next_n`` 2 with ``(B, 1)`` bounds, and a head count no kernel takes.
+  Those of MTP run at the largest ``next_n`` above 1 that ``check`` was given
+  (2 by default), and not at all when it was given ``next_n`` 1 only.
 
 The expected arm is written here from what each case is, independently of the
 router in :mod:`vllm_flydsl_indexer.router`: a router bug shows as a case
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_flydsl_indexer.cli_args import CHECK_BLOCKS
 from vllm_flydsl_indexer.kernels import SCALE_BYTES, KernelVariant
 from vllm_flydsl_indexer.reference import PagedProblem, make_paged_problem, mtp_bounds
 
@@ -34,7 +37,7 @@ MODELS = {
 }
 MODEL_LABELS = {"deepseek-v3.2": "DeepSeek-V3.2", "glm-5": "GLM-5.x/DSV4.1"}
 # (KVBlockSize, Preshuffle): vLLM's production layout, and the plain one.
-BLOCKS = (64, 1)
+BLOCKS = CHECK_BLOCKS
 
 INDEXER = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 DSV41 = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
@@ -70,6 +73,7 @@ class Case:
     preshuffle: bool = True
     padding: bool = False
     same_shapes_as: str | None = None
+    flattened: int = 2  # tokens per sequence of the flattened case
 
     @property
     def per_row_table(self) -> bool:
@@ -117,25 +121,43 @@ def model_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> l
     ]
 
 
-def bounds_cases(heads: int, head_dim: int, batch: int, context_len: int) -> list[Case]:
+def bounds_cases(heads: int, head_dim: int, batch: int, context_len: int, mtp: int | None = 2) -> list[Case]:
+    """Every bounds shape vLLM builds; those of MTP (``next_n > 1``) at ``next_n = mtp``, none if ``None``."""
     base = Case("", heads, head_dim, 64, 1, batch, context_len, bounds="(B, 1)")
+    n = mtp or 2  # the flattened case calls with next_n 1 whatever MTP's next_n was
 
     def case(label: str, **changes) -> Case:
         return dataclasses.replace(base, label=label, **changes)
 
-    return [
-        case("flattened MTP (one row per token)", kind="flattened", bounds="(2B, 1) per token"),
-        case("padding rows of length 0", next_n=2, padding=True, bounds="(B, 2), zeros"),
-        case("DSV4.1 ratio 1 next_n=2", next_n=2, caller=DSV41, bounds="(B, 2) one apart"),
+    mtp_cases = [
+        case("padding rows of length 0", next_n=n, padding=True, bounds=f"(B, {n}), zeros"),
+        case(f"DSV4.1 ratio 1 next_n={n}", next_n=n, caller=DSV41, bounds=f"(B, {n}) one apart"),
         case(
-            "DSV4.1 ratio 2 next_n=2 (same shapes)",
-            next_n=2,
+            f"DSV4.1 ratio 2 next_n={n} (same shapes)",
+            next_n=n,
             caller=DSV41,
             compress_ratio=2,
             cache_ratio=2,
-            same_shapes_as="DSV4.1 ratio 1 next_n=2",
-            bounds="(B, 2) // 2",
+            same_shapes_as=f"DSV4.1 ratio 1 next_n={n}",
+            bounds=f"(B, {n}) // 2",
         ),
+        case(
+            f"GLM-5-next kpool next_n={n}",
+            next_n=n,
+            caller=KPOOL,
+            cache_ratio=KPOOL_RATIO,
+            bounds=f"(B, {n}) // 4",
+        ),
+        case(
+            f"DCP 2 next_n={n} (simulated)", next_n=n, dcp=DCP_SIZE, kind="dcp", bounds=f"(B, {n}) localised"
+        ),
+        case(f"next_n={n} with (B, 1) bounds", next_n=n, kind="per-sequence", bounds="(B, 1) per sequence"),
+    ]
+    cases = [
+        case(
+            "flattened MTP (one row per token)", kind="flattened", flattened=n, bounds=f"({n}B, 1) per token"
+        ),
+        *mtp_cases[:3],
         case("DSV4.1 ratio 2 next_n=1", caller=DSV41, compress_ratio=2, cache_ratio=2, bounds="(B, 1) // 2"),
         case(
             "DSV4.1 C4A ratio 4 (block-flat)",
@@ -145,17 +167,22 @@ def bounds_cases(heads: int, head_dim: int, batch: int, context_len: int) -> lis
             preshuffle=False,
             bounds="(B, 1) // 4",
         ),
-        case(
-            "GLM-5-next kpool next_n=2", next_n=2, caller=KPOOL, cache_ratio=KPOOL_RATIO, bounds="(B, 2) // 4"
-        ),
+        mtp_cases[3],
         case("GLM-5-next kpool next_n=1", caller=KPOOL, cache_ratio=KPOOL_RATIO, bounds="(B, 1) // 4"),
-        case("DCP 2 next_n=2 (simulated)", next_n=2, dcp=DCP_SIZE, kind="dcp", bounds="(B, 2) localised"),
+        mtp_cases[4],
         case("DCP 2 next_n=1 (simulated)", dcp=DCP_SIZE, kind="dcp", bounds="(B, 1) localised"),
         case("strided cache (block-outer layout)", strided=True),
         case("first call during graph capture", capturing=True),
-        case("next_n=2 with (B, 1) bounds", next_n=2, kind="per-sequence", bounds="(B, 1) per sequence"),
+        mtp_cases[5],
         case(f"heads={UNSUPPORTED_HEADS} (no kernel takes it)", heads=UNSUPPORTED_HEADS),
     ]
+    return [c for c in cases if mtp is not None or c.next_n == 1]
+
+
+def mtp_next_n(next_ns) -> int | None:
+    """The ``next_n`` of the MTP bounds cases: the largest asked for above 1, or ``None`` (none asked)."""
+    above_one = [n for n in next_ns if n > 1]
+    return max(above_one) if above_one else None
 
 
 def sequence_lengths(case: Case, gen: torch.Generator) -> torch.Tensor:
@@ -200,7 +227,7 @@ def build_problem(
         table = (mtp_bounds(lens, case.next_n).to(torch.int64) + 1) // DCP_SIZE
         return dataclasses.replace(problem, context_lens=table.to(torch.int32).to(device))
     if case.kind == "flattened":
-        problem = make_paged_problem(lens, next_n=2, **common)
+        problem = make_paged_problem(lens, next_n=case.flattened, **common)
         batch, next_n, heads, head_dim = problem.q_fp8.shape
         return dataclasses.replace(
             problem,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_flydsl_indexer import cli_args
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.arms import Arms, detect_arms
 from vllm_flydsl_indexer.cases import (
@@ -37,6 +38,7 @@ from vllm_flydsl_indexer.cases import (
     build_problem,
     expected_arm,
     model_cases,
+    mtp_next_n,
 )
 from vllm_flydsl_indexer.paths import Paths, build_paths
 from vllm_flydsl_indexer.progress import Progress
@@ -76,13 +78,27 @@ def quiet_logger() -> logging.Logger:
 
 def default_sizes(device: torch.device) -> tuple[int, int]:
     """(batch, context length): realistic on a GPU, scaled down on CPU."""
-    return (32, 32768) if device.type == "cuda" else (4, 2048)
+    return cli_args.CHECK_SIZES["cuda" if device.type == "cuda" else "cpu"]
 
 
 def build_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> list[Case]:
+    """The model cases at each of ``next_ns``; the bounds cases of MTP at the largest above 1, if any."""
     cases = model_cases(models, block_sizes, next_ns, batch, context_len)
     shape_model = BOUNDS_CASE_MODEL if BOUNDS_CASE_MODEL in models else models[0]
-    return cases + bounds_cases(*MODELS[shape_model], batch, context_len)
+    return cases + bounds_cases(*MODELS[shape_model], batch, context_len, mtp_next_n(next_ns))
+
+
+def not_run_note(next_ns) -> str | None:
+    """One line naming the bounds cases that ``next_ns`` leaves out, or ``None``."""
+    if mtp_next_n(next_ns) is not None:
+        return None
+    every = bounds_cases(*MODELS[BOUNDS_CASE_MODEL], 1, 2)
+    left_out = [c.label for c in every if c.next_n > 1]
+    return (
+        f"note: --next-n {','.join(map(str, next_ns))} asks for no MTP, so the {len(left_out)} bounds cases "
+        f"of MTP (next_n > 1) were not run ({'; '.join(left_out)}); the flattened MTP case calls with "
+        "next_n 1 and ran"
+    )
 
 
 def run_case(
@@ -180,7 +196,9 @@ def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_ou
     )
 
 
-def render(results: list[CaseResult], arms: Arms, paths: Paths, device: torch.device) -> str:
+def render(
+    results: list[CaseResult], arms: Arms, paths: Paths, device: torch.device, note: str | None = None
+) -> str:
     header = (
         "case",
         "caller",
@@ -251,6 +269,8 @@ def render(results: list[CaseResult], arms: Arms, paths: Paths, device: torch.de
                 "" if r.arm == "stock" or r.written_columns == r.read_columns else "written != read columns",
             ]
             lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
+    if note:
+        lines.append(note)
     passed = sum(r.ok for r in results)
     lines += ["", f"{passed} passed, {len(results) - passed} failed"]
     return "\n".join(lines)
@@ -261,10 +281,13 @@ def main(args) -> int:
     batch, context = default_sizes(device)
     batch = args.batch or batch
     context = args.context_len or context
+    next_ns = args.next_n or cli_args.CHECK_NEXT_NS
+    topk = args.topk or cli_args.DEFAULT_TOPK
     models = list(MODELS) if args.model == "all" else [args.model]
-    cases = build_cases(models, args.block_size or BLOCKS, args.next_n or (1, 2), batch, context)
+    cases = build_cases(models, args.block_size or BLOCKS, next_ns, batch, context)
     arms = detect_arms(device, force_reference=args.reference)
-    paths = build_paths(arms, device, 2 * batch * max(args.next_n or (2,)), context, quiet_logger())
+    max_rows = max(c.batch * max(c.next_n, c.flattened) for c in cases)
+    paths = build_paths(arms, device, max_rows, context, quiet_logger())
     capture_router = paths.make_router(is_capturing=lambda: True)
     results: list[CaseResult] = []
     problems: dict[str, PagedProblem] = {}
@@ -275,8 +298,8 @@ def main(args) -> int:
             like = problems.get(case.same_shapes_as) if case.same_shapes_as else None
             problem = build_problem(case, gen, device, like)
             problems[case.label] = problem
-            results.append(run_case(case, problem, paths, arms, args.topk, capture_router))
-    print(render(results, arms, paths, device))
+            results.append(run_case(case, problem, paths, arms, topk, capture_router))
+    print(render(results, arms, paths, device, not_run_note(next_ns)))
     if not all(r.ok for r in results):
         print("check: FAILED (see the FAIL rows)", file=sys.stderr)
         return 1

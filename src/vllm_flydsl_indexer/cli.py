@@ -41,12 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     if problem is not None:
         cli_args.fail(f"{cli_args.PROG} {args.command}", problem)
     if args.command == "check":
-        from vllm_flydsl_indexer import check
-
-        return check.main(args)
-    from vllm_flydsl_indexer import bench
-
-    return bench.main(args)
+        from vllm_flydsl_indexer import check as command
+    else:
+        from vllm_flydsl_indexer import bench as command
+    try:
+        return command.main(args)
+    except (MemoryError, RuntimeError) as e:
+        # The sizes were checked against what the tool can run; this machine's memory may be less.
+        text = " ".join(str(e).split()) or type(e).__name__
+        if not isinstance(e, MemoryError) and "out of memory" not in text and "can't allocate" not in text:
+            raise
+        print(
+            f"{cli_args.PROG} {args.command}: error: out of memory ({text[:200]}); "
+            "try a smaller --batch, --context-len or --next-n",
+            file=sys.stderr,
+        )
+        return 1
 
 
 if __name__ == "__main__":

@@ -4,15 +4,20 @@
 Building the parser imports no torch, so ``--help`` is instant. Every value
 is checked before any case runs: each argument's ``type`` rejects what it
 can see alone (sizes, lists, the device string, output directories) and
-:func:`validate` what needs the machine (the device present, matplotlib).
-A bad value is one line on stderr naming the argument and the accepted
-values, exit status 2, never a traceback.
+:func:`validate` what needs other arguments or the machine: limits that
+depend on two options (checked with the default of the one not given), the
+sizes the tool can run (:data:`I32_LIMIT`), the device present, matplotlib,
+and every output file, opened for writing before the run. A bad value is one
+line on stderr naming the argument and the accepted values, exit status 2,
+never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
+import itertools
 import os
 import re
 import sys
@@ -36,6 +41,54 @@ BENCH_ARMS = (
 DEVICES = "cpu, cuda or cuda:N"
 SEED_LIMIT = 2**32  # each case adds its index; torch takes seeds below 2**64
 PLOT_HINT = "pip install matplotlib, or pip install -e '.[plot]' in the clone"
+
+# What the tool can run: FlyDSL addresses the KV pool with i32 offsets (a case
+# over it would be refused by the plugin), and the logits buffer (B*next_n rows
+# of context-length float32) is held to the same 2 GiB, so that the pure-torch
+# reference, which holds a few buffers of that size, stays allocatable.
+I32_LIMIT = 2**31
+SCALE_BYTES = 4  # one float32 scale per token after the fp8 key
+LOGIT_BYTES = 4
+LIMITS = "each case's KV pool and logits buffer must stay under 2 GiB (FlyDSL's i32 offsets)"
+
+# check's defaults (check.py uses these): (batch, context length) per device type.
+CHECK_SIZES = {"cuda": (32, 32768), "cpu": (4, 2048)}
+CHECK_NEXT_NS = (1, 2)
+CHECK_BLOCKS = (64, 1)  # vLLM's production layout (preshuffled), and the plain one
+CHECK_HEAD_DIM = 128  # both models' indexer head_dim
+CHECK_BOUNDS_BLOCK = 64  # the bounds cases' KVBlockSize
+CHECK_SPARE_BLOCKS = 2  # reference.make_paged_problem's spare blocks
+DEFAULT_TOPK = 2048  # vLLM's index_topk
+
+# bench's grids (bench.py and tune.py use these).
+BENCH_GPU_GRID = dict(
+    heads=(64, 32),
+    block_size=(1, 64),
+    next_n=(1, 2),
+    batch=(1, 8, 32, 128),
+    context_len=(4096, 32768, 131072),
+)
+BENCH_CPU_GRID = dict(heads=(64, 32), block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
+TUNE_GPU_GRID = dict(
+    heads=(64, 32),
+    block_size=(64, 1),
+    next_n=(1, 2),
+    batch=(1, 4, 16, 32, 64, 128, 256),
+    context_len=(8192, 32768),
+)
+TUNE_REFERENCE_GRID = dict(
+    heads=(64, 32), block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,)
+)
+# bench options that --tune does not use: refused together with it, never silently ignored.
+NOT_WITH_TUNE = {
+    "csv_path": ("--csv", "--tune writes its table to OUT.csv; --json writes the tuned rows as JSON"),
+    "plot_path": ("--plot", "--tune draws no plot"),
+    "arms": ("--arms", "--tune times Gluon and FlyDSL"),
+    "vary_lengths": ("--vary-lengths", "--tune times exact lengths, as aiter's table keys them"),
+    "pool_blocks": ("--pool-blocks", "--tune times an honest footprint"),
+}
+TUNE_NEEDS = "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels"
+TUNE_DRY_RUN = "add --reference for a dry run on the reference contracts (rows marked gfx=reference)"
 
 
 def fail(prog: str, message: str) -> NoReturn:
@@ -82,9 +135,17 @@ def seed(text: str) -> int:
     return value
 
 
+def _items(text: str) -> list[str] | None:
+    """The items of a comma list (one trailing comma allowed), or ``None`` if one is empty."""
+    items = [x.strip() for x in text.split(",")]
+    if len(items) > 1 and not items[-1]:
+        items.pop()
+    return None if any(not x for x in items) else items
+
+
 def positive_int_list(text: str) -> tuple[int, ...]:
-    items = [x for x in text.split(",") if x.strip()]
-    values = tuple(_int(x) for x in items)
+    items = _items(text)
+    values = tuple(_int(x) for x in items or ())
     if not values or any(v is None or v < 1 for v in values):
         raise argparse.ArgumentTypeError(
             f"must be a comma list of positive integers (e.g. 1,2), got {text!r}"
@@ -93,7 +154,7 @@ def positive_int_list(text: str) -> tuple[int, ...]:
 
 
 def block_size_list(text: str) -> tuple[int, ...]:
-    values = [_int(x) for x in text.split(",") if x.strip()]
+    values = [_int(x) for x in _items(text) or ()]
     if not values or any(v is None or v < 1 or (v > 1 and v % BLOCK_ALIGN) for v in values):
         raise argparse.ArgumentTypeError(
             f"must be a comma list of KVBlockSize values, each 1 or a multiple of {BLOCK_ALIGN} "
@@ -118,7 +179,7 @@ def device(text: str) -> str:
 
 
 def arm_list(text: str) -> str:
-    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    names = tuple(_items(text) or ())
     unknown = [n for n in names if n not in BENCH_ARMS]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(BENCH_ARMS)}, got {text!r}")
@@ -147,7 +208,11 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         "--model", choices=[*CHECK_MODELS, "all"], default="all", help="indexer shape (default: all)"
     )
     p.add_argument("--batch", type=positive_int, help="sequences per case (default: 32 on GPU, 4 on CPU)")
-    p.add_argument("--next-n", type=positive_int_list, help="comma list, e.g. 1,2 (default)")
+    p.add_argument(
+        "--next-n",
+        type=positive_int_list,
+        help="comma list, e.g. 1,2 (default); the bounds cases that need MTP run at the largest value > 1",
+    )
     p.add_argument(
         "--context-len", type=positive_int, help="max context length (default: 32768 GPU, 2048 CPU)"
     )
@@ -158,7 +223,12 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help="compare reference contracts even on gfx950")
-    p.add_argument("--topk", type=positive_int, default=2048, help="top-k compared per row (default 2048)")
+    p.add_argument(
+        "--topk",
+        type=positive_int,
+        help=f"top-k compared per row, at most --context-len (default {DEFAULT_TOPK}, vLLM's index_topk; "
+        "a row shorter than that is compared whole)",
+    )
     p.add_argument("--seed", type=seed, default=0)
 
 
@@ -170,7 +240,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=block_size_list,
         help="comma list, each 1 or a multiple of 16; >1 means preshuffle (default 1,64)",
     )
-    p.add_argument("--next-n", type=positive_int_list, help="comma list (default 1,2)")
+    p.add_argument("--next-n", type=positive_int_list, help="comma list, each <= --context-len (default 1,2)")
     p.add_argument(
         "--batch", type=positive_int_list, help="comma list (default 1,8,32,128 on GPU; 1,4 on CPU)"
     )
@@ -215,7 +285,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         dest="tune_path",
         type=output_path,
         metavar="OUT.csv",
-        help="time Gluon vs FlyDSL per shape (gfx950) and merge the winners into an aiter-format tuned CSV",
+        help="time Gluon vs FlyDSL per shape (gfx950) and merge the winners into an aiter-format tuned CSV "
+        "(new, empty, or one written before); --json also writes the tuned rows",
     )
 
 
@@ -238,18 +309,229 @@ def device_problem(name: str | None) -> str | None:
     return None
 
 
+def default_device_type(args: argparse.Namespace) -> str:
+    """``"cuda"`` or ``"cpu"``: the device the command will run on (imports torch only without --device)."""
+    if args.device is not None:
+        return "cpu" if args.device == "cpu" else "cuda"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def kv_pool_bytes(batch: int, context_len: int, block_size: int, head_dim: int, spare_blocks: int = 0) -> int:
+    """The bytes of a paged KV pool, one distinct block per needed block (as make_paged_problem builds)."""
+    blocks = batch * max(1, -(-context_len // block_size)) + spare_blocks
+    return blocks * block_size * (head_dim + SCALE_BYTES)
+
+
+class Sized:
+    """One option's value (given, or its default), named as a message names it."""
+
+    def __init__(self, flag: str, given, default, where: str = ""):
+        self.flag = flag
+        self.given = given is not None
+        self.value = given if given is not None else default
+        self.where = where
+
+    def __str__(self) -> str:
+        value = ",".join(map(str, self.value)) if isinstance(self.value, tuple) else str(self.value)
+        return f"{self.flag} {value}" + ("" if self.given else f" (the default{self.where})")
+
+
+def _check_sizes_problem(args: argparse.Namespace) -> str | None:
+    """check's limits over --batch, --context-len, --next-n and --topk, each with the others' defaults."""
+    kind = default_device_type(args) if args.batch is None or args.context_len is None else "cpu"
+    where = f" on {'GPU' if kind == 'cuda' else 'CPU'}"
+    batch = Sized("--batch", args.batch, CHECK_SIZES[kind][0], where)
+    context = Sized("--context-len", args.context_len, CHECK_SIZES[kind][1], where)
+    next_ns = Sized("--next-n", args.next_n, CHECK_NEXT_NS)
+    largest_n = max(next_ns.value)
+    if largest_n > context.value:
+        if next_ns.given:
+            return f"argument --next-n: each value must be <= {context}, got {largest_n}"
+        return (
+            f"argument --context-len: must be >= {largest_n}, the largest of {next_ns}, got {context.value}"
+        )
+    blocks = {*(args.block_size or CHECK_BLOCKS), CHECK_BOUNDS_BLOCK}
+
+    def fits(b: int, ctx: int, n: int) -> bool:
+        # The largest case has B*n rows; the flattened and MTP bounds cases B*2 at least.
+        pool = max(kv_pool_bytes(b, ctx, bs, CHECK_HEAD_DIM, CHECK_SPARE_BLOCKS) for bs in blocks)
+        return pool < I32_LIMIT and b * max(n, 2) * ctx * LOGIT_BYTES < I32_LIMIT
+
+    if not fits(batch.value, context.value, largest_n):
+        most = {
+            "--next-n": _largest(lambda n: fits(batch.value, context.value, n)),
+            "--batch": _largest(lambda b: fits(b, context.value, largest_n)),
+            "--context-len": _largest(lambda c: fits(batch.value, c, largest_n)),
+        }
+        # Name the given option that, alone at a smaller value, would fit: --next-n first
+        # (the rare one to set high), then --batch, then --context-len.
+        given = [o for o in (next_ns, batch, context) if o.given]
+        named = next((o for o in given if most[o.flag] >= 1), given[0] if given else batch)
+        got = largest_n if named is next_ns else named.value
+        others = " and ".join(str(o) for o in (batch, context, next_ns) if o is not named)
+        return f"argument {named.flag}: must be at most {most[named.flag]} at {others}: {LIMITS}, got {got}"
+    if args.topk is not None and args.topk > context.value:
+        return f"argument --topk: must be <= {context}, the longest row, got {args.topk}"
+    return None
+
+
+def _largest(ok) -> int:
+    """The largest positive integer ``n`` with ``ok(n)`` (``ok`` holds up to a bound, then not); 0 if none."""
+    if not ok(1):
+        return 0
+    low, high = 1, 2
+    while ok(high):
+        low, high = high, high * 2
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if ok(mid) else (low, mid)
+    return low
+
+
+def bench_grid(args: argparse.Namespace, kind: str) -> dict[str, tuple[int, ...]]:
+    """The values bench (or bench --tune) will run: each option given, else its default."""
+    if getattr(args, "tune_path", None):
+        grid = TUNE_REFERENCE_GRID if args.reference else TUNE_GPU_GRID
+    else:
+        grid = BENCH_GPU_GRID if kind == "cuda" else BENCH_CPU_GRID
+    return {k: getattr(args, k) or v for k, v in grid.items()}
+
+
+def bench_shape_fits(batch: int, next_n: int, context_len: int, block_size: int, head_dim: int) -> bool:
+    """Whether bench can run a shape: its KV pool and logits buffer under :data:`I32_LIMIT`."""
+    pool = kv_pool_bytes(batch, context_len, block_size, head_dim)
+    return pool < I32_LIMIT and batch * next_n * context_len * LOGIT_BYTES < I32_LIMIT
+
+
+def _bench_fits(grid: dict[str, tuple[int, ...]], dim: int, key: str, value: int) -> bool:
+    """Whether some shape of ``grid`` with ``key = value`` fits :func:`bench_shape_fits`."""
+    others = [k for k in ("batch", "next_n", "context_len") if k != key]
+    return any(
+        bench_shape_fits(**dict(zip(others, rest, strict=True)), **{key: value}, block_size=bs, head_dim=dim)
+        for rest in itertools.product(*(grid[k] for k in others))
+        for bs in grid["block_size"]
+    )
+
+
+def _bench_sizes_problem(args: argparse.Namespace) -> str | None:
+    """bench's limits: each --next-n <= every context length; each size value in some shape it can run."""
+    # bench's default batch and context lists start at the same values on CPU and GPU
+    # (tune's depend on --reference only), so no device is needed to check against them.
+    grid = bench_grid(args, "cpu")
+    sized = {
+        key: Sized(flag, getattr(args, key), grid[key])
+        for key, flag in (("batch", "--batch"), ("next_n", "--next-n"), ("context_len", "--context-len"))
+    }
+    shortest, largest_n = min(grid["context_len"]), max(grid["next_n"])
+    if largest_n > shortest:
+        context = sized["context_len"]
+        if sized["next_n"].given:
+            return (
+                f"argument --next-n: each value must be <= --context-len ({shortest}"
+                f"{'' if context.given else ', the default'}), got {largest_n}"
+            )
+        return f"argument --context-len: each value must be >= {largest_n}, the largest of {sized['next_n']}"
+    # Name a given value that no shape can run, preferring one that a smaller value would fix
+    # (--batch 1 at a context of 10**9 is the context's fault).
+    failures = []
+    for key in ("next_n", "batch", "context_len"):
+        for value in grid[key] if sized[key].given else ():
+            if not _bench_fits(grid, args.head_dim, key, value):
+                most = _largest(lambda v, key=key: _bench_fits(grid, args.head_dim, key, v))
+                failures.append((most < 1, key, value, most))
+    if not failures:
+        return None
+    _, key, value, most = min(failures, key=lambda f: f[0])
+    # The bound holds at the others' smallest values (a value fits if some shape with it does).
+    others = " and ".join(
+        f"{o.flag} {min(o.value)}" + ("" if o.given and len(o.value) == 1 else f" (the smallest of {o})")
+        for k, o in sized.items()
+        if k != key
+    )
+    return f"argument {sized[key].flag}: must be at most {most} at {others}: {LIMITS}, got {value}"
+
+
+def tune_problem(args: argparse.Namespace) -> str | None:
+    """What ``bench --tune`` cannot do, known without probing aiter: options it does not use, no device."""
+    for attr, (flag, why) in NOT_WITH_TUNE.items():
+        if getattr(args, attr, None):
+            return f"argument {flag}: not used with --tune ({why})"
+    if args.reference:
+        return None
+    if args.device == "cpu":
+        return f"argument --tune: {TUNE_NEEDS}, got --device cpu; {TUNE_DRY_RUN}"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"argument --tune: {TUNE_NEEDS}, and this machine has no GPU; {TUNE_DRY_RUN}"
+    if torch.version.hip is None:
+        return f"argument --tune: {TUNE_NEEDS}, and this GPU is not a ROCm one; {TUNE_DRY_RUN}"
+    index = int((args.device or "cuda").partition(":")[2] or 0)
+    if index < torch.cuda.device_count():
+        arch = torch.cuda.get_device_properties(index).gcnArchName
+        if "gfx950" not in arch:
+            return f"argument --tune: {TUNE_NEEDS}, and this GPU is {arch.split(':')[0]}; {TUNE_DRY_RUN}"
+    return None
+
+
+def tune_file_problem(path: str) -> str | None:
+    """Why ``--tune path`` cannot be merged into: it exists, is not empty and is not aiter's format."""
+    from vllm_flydsl_indexer import tuning
+
+    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+        return None  # a new table
+    try:
+        with open(path, newline="") as f:
+            header = tuple(next(csv.reader(f), ()))
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        return f"argument --tune: cannot read {path} ({e}); not overwriting it"
+    if header != tuning.COLUMNS:
+        return (
+            f"argument --tune: {path} is not an aiter-format tuned CSV (header {','.join(tuning.COLUMNS)}); "
+            "not overwriting it: give a new, empty or earlier --tune file"
+        )
+    return None
+
+
+OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))
+
+
+def output_problem(args: argparse.Namespace) -> str | None:
+    """Open every output file for writing now, before the run; a new file is removed again."""
+    for attr, flag in OUTPUTS:
+        path = getattr(args, attr, None)
+        if not path:
+            continue
+        existed = os.path.lexists(path)
+        try:
+            with open(path, "a"):
+                pass
+        except OSError as e:
+            return f"argument {flag}: cannot open {path} for writing ({e.strerror or e})"
+        if not existed:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return None
+
+
 def validate(args: argparse.Namespace) -> str | None:
     """The first problem with parsed ``check``/``bench`` arguments that needs the machine, or ``None``."""
-    context = args.context_len
-    if args.next_n and context:
-        shortest = min(context) if isinstance(context, tuple) else context
-        if max(args.next_n) > shortest:
-            return (
-                f"argument --next-n: each value must be <= --context-len ({shortest}), got {max(args.next_n)}"
-            )
-    if getattr(args, "plot_path", None) and not getattr(args, "tune_path", None):
+    problem = device_problem(args.device)
+    if problem is not None:
+        return problem
+    if args.command == "check":
+        return _check_sizes_problem(args)
+    tuning = bool(getattr(args, "tune_path", None))
+    if tuning:
+        problem = tune_problem(args) or tune_file_problem(args.tune_path)
+    problem = problem or _bench_sizes_problem(args)
+    if problem is None and args.plot_path and not tuning:
         try:
             importlib.import_module("matplotlib")
         except ImportError:
-            return f"argument --plot: needs matplotlib, which is not importable here ({PLOT_HINT})"
-    return device_problem(args.device)
+            problem = f"argument --plot: needs matplotlib, which is not importable here ({PLOT_HINT})"
+    return problem or output_problem(args)

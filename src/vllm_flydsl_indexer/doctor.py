@@ -121,15 +121,31 @@ def layout_report(environ: dict[str, str] | None) -> dict[str, Any]:
     return {"variable": value, "block_outer": block_outer, "note": BLOCK_OUTER_NOTE}
 
 
+def stock_report(plat: dict[str, Any]) -> str:
+    """What the stock arm runs here, in a few words: Gluon only on a ROCm gfx950 vLLM with aiter on."""
+    if plat["vllm_platform"] == "vLLM not installed":
+        return "vLLM not installed"
+    if plat["gcn_arch"] is None or "gfx950" not in plat["gcn_arch"]:
+        return "not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon"
+    try:
+        from vllm_flydsl_indexer.paths import vllm_target
+
+        target, why = vllm_target()
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        return f"unknown: {type(e).__name__}: {e}"
+    return "Gluon" if target is not None else why
+
+
 def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
     decision = gates.evaluate(environ, full=True)
     switch = envs.read_flag(envs.SWITCH, environ)
+    plat = platform_report()
     return {
         "versions": {
             "python": platform.python_version(),
             **{name: package_version(dists) for name, dists in PACKAGES.items()},
         },
-        "platform": platform_report(),
+        "platform": plat,
         "switch": {
             "name": envs.SWITCH,
             "value": switch.raw,
@@ -145,6 +161,7 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
         "tuned_table": table_report(decision, environ),
         "kv_cache_layout": layout_report(environ),
         "arm": "flydsl" if decision.active else "stock",
+        "stock": stock_report(plat),
         "reason": decision.reason,
         "log_line": decision.log_line(),
         "warnings": decision.warnings,
@@ -152,16 +169,16 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
-    """``data`` whose reason, log line and warnings point to the gate that prints their text.
+    """``data`` whose reason and warnings point to the gate that prints their text.
 
-    Each gate's text is printed once, on its gate line (a bad switch value, say).
+    Each gate's text is printed once on its gate line (a bad switch value, say),
+    and again only inside the log line, which is printed exactly as the plugin logs it.
     """
     details = {g["detail"] for g in data["gates"]}
     data = dict(data, warnings=[w for w in data["warnings"] if w not in details])
     failing = [(i, g) for i, g in enumerate(data["gates"], 1) if not g["ok"] and not g.get("skipped")]
     if failing and data["reason"] == failing[0][1]["detail"]:
         i, gate = failing[0]
-        data["log_line"] = data["log_line"].replace(data["reason"], f"<gate {i}'s text above>")
         data["reason"] = f"gate {i}, {gate['name']}, above"
     return data
 
@@ -172,9 +189,10 @@ def render(data: dict[str, Any]) -> str:
     plat = data["platform"]
     out += ["", f"platform: {plat['vllm_platform']}" + (f" ({plat['gcn_arch']})" if plat["gcn_arch"] else "")]
     sw = data["switch"]
-    shown = "unset" if sw["value"] is None else repr(sw["value"])
-    if sw["parsed"]:
-        switch = f"{sw['name']}={shown} (parsed, {'on' if sw['enabled'] else 'off'})"
+    if sw["parsed"] and not (sw["value"] or "").strip():
+        switch = f"{sw['name']} is not set: off (1/true enables it)"
+    elif sw["parsed"]:
+        switch = f"{sw['name']}={sw['value']!r} (parsed, {'on' if sw['enabled'] else 'off'})"
     else:  # the value and why it is refused: gate 1's text, printed once
         switch = f"{sw['name']} DID NOT PARSE, off (gate 1 says why)"
     out += [f"switch:   {switch}", "", "gates:"]
@@ -226,7 +244,8 @@ def render(data: dict[str, Any]) -> str:
     if layout["block_outer"]:
         variable = f"{LAYOUT_VARIABLE}={layout['variable']}"
         out.append(f"          {variable} is set here and is block-outer: every indexer call will stay stock")
-    out += ["", f"arm:      {'FlyDSL' if data['arm'] == 'flydsl' else 'stock (Gluon)'}  ({data['reason']})"]
+    arm = "FlyDSL" if data["arm"] == "flydsl" else f"stock ({data['stock']})"
+    out += ["", f"arm:      {arm}  ({data['reason']})"]
     out += [f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in data["warnings"]]
     return "\n".join(out)

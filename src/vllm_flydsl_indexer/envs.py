@@ -53,3 +53,12 @@ def read_flag(name: str, environ: dict[str, str] | None = None) -> Flag:
         False,
         f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (case-insensitive); treating it as 0",
     )
+
+
+def off_reason(flag: Flag) -> str:
+    """Why ``flag`` is off, naming the values that turn it on (the switch's gate-1 text)."""
+    if flag.error:
+        return flag.error
+    if not (flag.raw or "").strip():
+        return f"{flag.name} is not set (1/true enables it)"
+    return f"{flag.name}={flag.raw.strip()} (off; 1/true enables it)"

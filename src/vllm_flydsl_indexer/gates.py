@@ -160,7 +160,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         if switch.enabled:
             yield Gate("switch", True, f"{envs.SWITCH}={switch.raw}")
         else:
-            yield Gate("switch", False, switch.error or f"{envs.SWITCH} is not set to 1")
+            yield Gate("switch", False, envs.off_reason(switch))
         yield check_version(vllm_version(), allow.enabled)
         rocm, gfx950 = _check_platform()
         yield rocm

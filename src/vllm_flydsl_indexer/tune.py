@@ -19,14 +19,17 @@ and their times are of the references, not of any kernel.
 from __future__ import annotations
 
 import csv
+import io
 import itertools
+import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
-from vllm_flydsl_indexer import tuning
+from vllm_flydsl_indexer import cli_args, tuning
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.arms import Arms, Workspace, detect_arms
 from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, cu_count
@@ -38,14 +41,8 @@ from vllm_flydsl_indexer.reference import (
 
 REFERENCE_GFX = "reference"
 GLUON_KNOBS = {"ChunkK": 256, "WavePerEU": 2}  # vLLM's own Gluon call
-GPU_GRID = dict(
-    heads=(64, 32),
-    block_size=(64, 1),
-    next_n=(1, 2),
-    batch=(1, 4, 16, 32, 64, 128, 256),
-    context_len=(8192, 32768),
-)
-REFERENCE_GRID = dict(heads=(64, 32), block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,))
+GPU_GRID = cli_args.TUNE_GPU_GRID
+REFERENCE_GRID = cli_args.TUNE_REFERENCE_GRID
 # The row key: a later run replaces a row with the same values of these.
 KEY_COLUMNS = tuning.COLUMNS[:9]
 
@@ -54,10 +51,7 @@ def refusal(arms: Arms) -> str | None:
     """Why this machine cannot produce kernel timings, or ``None``."""
     if arms.real:
         return None
-    return (
-        f"bench --tune: needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels ({arms.why}); "
-        "add --reference for a dry run on the reference contracts (rows marked gfx=reference)"
-    )
+    return f"argument --tune: {cli_args.TUNE_NEEDS} ({arms.why}); {cli_args.TUNE_DRY_RUN}"
 
 
 def _time(fn, problems, warmup: int, repeats: int, device: torch.device) -> float:
@@ -98,9 +92,9 @@ def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str
         itertools.product(*(pick[k] for k in ("heads", "block_size", "next_n", "batch", "context_len")))
     )
     for idx, (heads, kvb, next_n, batch, ctx) in enumerate(shapes):
-        if batch * -(-ctx // kvb) * kvb * (args.head_dim + 4) >= 2**31:
+        if not cli_args.bench_shape_fits(batch, next_n, ctx, kvb, args.head_dim):
             print(
-                f"tune: skipped H{heads} KVB{kvb} n{next_n} B{batch} ctx{ctx}: KV pool >= 2 GiB",
+                f"tune: skipped H{heads} KVB{kvb} n{next_n} B{batch} ctx{ctx}: KV pool or logits >= 2 GiB",
                 file=sys.stderr,
             )
             continue
@@ -182,8 +176,11 @@ def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str
 
 
 def existing_rows(path: str) -> list[dict[str, str]]:
-    """The rows already in ``path`` (none if absent); refuses a file that is not aiter's format."""
-    if not os.path.exists(path):
+    """The rows already in ``path`` (none if absent or empty); refuses a file that is not aiter's format.
+
+    ``cli_args.tune_file_problem`` refused such a file before the run; this is the read itself.
+    """
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
         return []
     with open(path, newline="") as f:
         reader = csv.DictReader(f)
@@ -192,16 +189,24 @@ def existing_rows(path: str) -> list[dict[str, str]]:
         return list(reader)
 
 
-def merge(path: str, earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> int:
-    """Write ``rows`` into ``path``, replacing earlier rows of the same key and keeping the rest."""
+def table_text(earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> tuple[str, int]:
+    """The merged table: ``rows`` replace earlier rows of the same key, the rest are kept (and counted)."""
     new_keys = {tuple(str(r[c]) for c in KEY_COLUMNS) for r in rows}
     kept = [r for r in earlier if tuple(r[c] for c in KEY_COLUMNS) not in new_keys]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS))
+    writer.writeheader()
+    writer.writerows(kept)
+    writer.writerows(rows)
+    return out.getvalue(), len(kept)
+
+
+def merge(path: str, earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> int:
+    """Write ``rows`` into ``path``, replacing earlier rows of the same key and keeping the rest."""
+    text, kept = table_text(earlier, rows)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(tuning.COLUMNS))
-        writer.writeheader()
-        writer.writerows(kept)
-        writer.writerows(rows)
-    return len(kept)
+        f.write(text)
+    return kept
 
 
 def main(args) -> int:
@@ -209,15 +214,49 @@ def main(args) -> int:
     arms = detect_arms(device, force_reference=args.reference)
     problem = refusal(arms) if not args.reference else None
     if problem is not None:
-        print(problem, file=sys.stderr)
-        return 2
+        cli_args.fail(f"{cli_args.PROG} bench", problem)
     earlier = existing_rows(args.tune_path)  # before any work: never time, then refuse to write
     if arms.real:
         gfx = tuning.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
     else:
         gfx = REFERENCE_GFX
     rows = tune_rows(args, arms, device, gfx)
-    kept = merge(args.tune_path, earlier, rows)
     what = "kernel timings" if arms.real else "REFERENCE timings, not kernel timings (gfx=reference)"
-    print(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, kept {kept} earlier rows")
-    return 0
+    text, kept = table_text(earlier, rows)
+    failed = []
+    try:
+        with open(args.tune_path, "w", newline="") as f:
+            f.write(text)
+    except OSError as e:  # opened before the run, so rare: the rows go to stdout, not lost
+        print(f"--- the tuned table that could not be written to {args.tune_path} ---")
+        print(f"{text.rstrip()}\n--- end ---")
+        failed.append(f"bench --tune: could not write {args.tune_path} ({e.strerror or e}); printed it above")
+    else:
+        print(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, kept {kept} earlier rows")
+    if args.json_path:
+        data = {
+            "meta": {
+                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                "gfx": gfx,
+                "arms": arms.label,
+                "arms_why": arms.why,
+                "timings": what,
+                "tuned_csv": os.path.basename(args.tune_path),
+                "kept_earlier_rows": kept,
+                "torch": torch.__version__,
+                "date": time.strftime("%Y-%m-%d"),
+            },
+            "rows": rows,
+        }
+        text = json.dumps(data, indent=1)
+        try:
+            with open(args.json_path, "w") as f:
+                f.write(text)
+        except OSError as e:
+            print(f"--- the JSON that could not be written to {args.json_path} ---\n{text}\n--- end ---")
+            failed.append(f"bench --tune: could not write JSON to {args.json_path} ({e.strerror or e})")
+        else:
+            print(f"bench --tune: wrote JSON to {os.path.abspath(args.json_path)}")
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else 0
