@@ -475,7 +475,7 @@ def test_deepseek_v4_defaults_to_the_mxfp4_indexer_on_cdna4():
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_hooks_preshuffle_is_what_stock_passes_gluon(target, monkeypatch, block_size):
     """The router launches FlyDSL with the layout vLLM's own Gluon call is told, release by release."""
-    from vllm_flydsl_indexer.patch import vllm_stock_hooks
+    from vllm_flydsl_indexer.stock import vllm_stock_hooks
 
     hooks = vllm_stock_hooks(target)
     assert hooks.preshuffle(block_size) is (block_size > 1)

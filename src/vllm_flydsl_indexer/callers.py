@@ -66,12 +66,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
-from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_POSITIONAL
-
-if TYPE_CHECKING:
-    from vllm_flydsl_indexer.router import Call, FlyDSLRouter
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_POSITIONAL, Call, RouterView
 
 # The module that defines the target; its own indexer calls it.
 DEFINING_MODULE = TARGET_MODULE
@@ -148,7 +144,7 @@ def multi_row_objection(caller: str | None) -> str | None:
     return None
 
 
-def window_rule(call: Call, router: FlyDSLRouter) -> str | None:
+def window_rule(call: Call, router: RouterView) -> str | None:
     """Written columns equal read columns: FlyDSL writes ``[0, ctx_b - next_n + i]`` of row ``(b, i)``.
 
     ``ctx_b`` is the last column of vLLM's bounds; the consumers read row ``r``

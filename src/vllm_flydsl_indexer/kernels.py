@@ -52,12 +52,10 @@ import textwrap
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from vllm_flydsl_indexer.router import Call, FlyDSLRouter
+from vllm_flydsl_indexer.target import Call, RouterView
 
 # vLLM's KV cache layouts with the block dimension outside the layer dimension
 # (vllm/v1/kv_cache_layout.py; tests/test_drift.py pins them).
@@ -642,12 +640,12 @@ def strided_cache_reason(kv_cache: torch.Tensor) -> str:
     )
 
 
-def contiguity_rule(call: Call, router: FlyDSLRouter) -> str | None:
+def contiguity_rule(call: Call, router: RouterView) -> str | None:
     """Every FlyDSL API needs a layer-contiguous cache: checked live (strides are not memoised)."""
     return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)
 
 
-def contract_rule(call: Call, router: FlyDSLRouter) -> str | None:
+def contract_rule(call: Call, router: RouterView) -> str | None:
     """The found API's exact contract: the common one plus its own limits."""
     q, kv, weights, lens, tables = call[:5]
     return router.variant.violation(q, kv, weights, lens, tables)

@@ -6,7 +6,7 @@
   (``_ON_GFX950``, aiter enabled, ``paged_mqa_logits_module()`` found). Stock is
   the original ``rocm_fp8_paged_mqa_logits`` function object; the patched path
   is :class:`~vllm_flydsl_indexer.router.FlyDSLRouter` with
-  :func:`~vllm_flydsl_indexer.patch.vllm_stock_hooks`, wrapped by
+  :func:`~vllm_flydsl_indexer.stock.vllm_stock_hooks`, wrapped by
   :func:`~vllm_flydsl_indexer.patch.wrap` exactly as serving wraps it, and
   called from the call sites' own modules so the caller rules apply.
 * **The mirror** everywhere else: a copy of vLLM 0.33.0's gfx9 branches
@@ -44,7 +44,7 @@ from vllm_flydsl_indexer.arms import (
 from vllm_flydsl_indexer.callers import call_site_in
 from vllm_flydsl_indexer.reference import gluon_contract_reference
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import StockHooks
+from vllm_flydsl_indexer.stock import StockHooks, vllm_gluon_objection, vllm_stock_hooks
 from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
 
 
@@ -115,19 +115,12 @@ def vllm_target() -> tuple[ModuleType | None, str]:
     problem = signature_problem(unpatched(vars(target).get(TARGET_NAME)))
     if problem is not None:
         return None, f"{TARGET_NAME}: {problem}"
-    if not getattr(target, "_ON_GFX950", False):
-        return None, "vLLM does not report gfx950, so its stock call would not run aiter's Gluon kernel"
     try:
-        from vllm._aiter_ops import rocm_aiter_ops
-
-        enabled = rocm_aiter_ops.is_enabled()
-        module = target.paged_mqa_logits_module() if enabled else None
+        why = vllm_gluon_objection(target)
     except Exception as e:  # noqa: BLE001
         return None, f"vLLM's aiter lookup failed ({type(e).__name__}: {e})"
-    if not enabled:
-        return None, "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
-    if module is None:
-        return None, "vLLM finds no aiter Gluon paged-MQA-logits module"
+    if why is not None:
+        return None, why
     return target, "vLLM would run aiter's Gluon kernel here"
 
 
@@ -196,7 +189,7 @@ def build_paths(
     target, why = vllm_target()
     if target is not None:
         stock = unpatched(vars(target)[TARGET_NAME])
-        hooks = patch.vllm_stock_hooks(target)
+        hooks = vllm_stock_hooks(target)
         session = functools.partial(_vllm_session, target, device, hooks, arms.real)
         kernels = (
             "aiter's Gluon kernel" if arms.real else "its aiter lookups pointed at the reference contracts"

@@ -33,47 +33,14 @@ from vllm_flydsl_indexer import callers, kernels, stock, tuning
 from vllm_flydsl_indexer._logging import log_once
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
 from vllm_flydsl_indexer.stock import StockHooks
+from vllm_flydsl_indexer.target import Call, RouterView
 from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
 
 
-class Call(NamedTuple):
-    """One call as the rules see it."""
-
-    q_fp8: torch.Tensor
-    kv_cache: torch.Tensor
-    weights: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
-    max_model_len: int
-    compress_ratio: int
-    caller: str | None
-    dcp_world_size: int
-
-    def key(self) -> tuple:
-        """Everything the memoised rules read: shapes, dtypes, q's contiguity and the Python arguments."""
-        return (
-            self.q_fp8.shape,
-            self.kv_cache.shape,
-            self.weights.shape,
-            self.context_lens.shape,
-            self.block_tables.shape,
-            self.q_fp8.dtype,
-            self.kv_cache.dtype,
-            self.weights.dtype,
-            self.context_lens.dtype,
-            self.block_tables.dtype,
-            self.q_fp8.is_contiguous(),
-            self.max_model_len,
-            self.compress_ratio,
-            self.caller,
-            self.dcp_world_size,
-        )
-
-
-Rule = Callable[[Call, "FlyDSLRouter"], "str | None"]
+Rule = Callable[[Call, RouterView], "str | None"]
 
 
 @dataclass(frozen=True)

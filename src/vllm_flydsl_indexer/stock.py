@@ -13,12 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from vllm_flydsl_indexer.router import Call, FlyDSLRouter
+from vllm_flydsl_indexer.target import Call, RouterView
 
 
 @dataclass(frozen=True)
@@ -46,19 +44,20 @@ class StockHooks:
 def vllm_gluon_objection(target: ModuleType, compress_ratio: int = 1, block_size: int = 1) -> str | None:
     """Why vLLM's original (module ``target``) would not call aiter's gfx950 Gluon kernel, or ``None``.
 
-    The original's own branches, in its order: the C4A Triton route on gfx9,
-    then aiter, then the gfx950 Gluon module. Module globals are read at call
-    time, as the original reads them.
+    The original's own conditions: not its C4A Triton route on gfx9, gfx950,
+    aiter enabled, and aiter's Gluon module found. Module globals are read at
+    call time, as the original reads them. ``check``, ``bench`` and ``doctor``
+    ask the same question (their ``paths.vllm_target``).
     """
     from vllm._aiter_ops import rocm_aiter_ops
 
     on_gfx9 = target._ON_GFX950 or target._ON_GFX942
     if on_gfx9 and target._indexer_k_is_c4a_block_flat(compress_ratio) and block_size > 1:
         return f"vLLM's own C4A Triton route (compress_ratio={compress_ratio}, block_size={block_size})"
-    if not (rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()):
-        return "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
     if not target._ON_GFX950:
         return "vLLM does not report gfx950, so its stock call would not run aiter's Gluon kernel"
+    if not (rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()):
+        return "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
     if target.paged_mqa_logits_module() is None:
         return "vLLM finds no aiter Gluon paged-MQA-logits module"
     return None
@@ -92,13 +91,13 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
     )
 
 
-def gluon_rule(call: Call, router: FlyDSLRouter) -> str | None:
+def gluon_rule(call: Call, router: RouterView) -> str | None:
     """Only the call stock would send to aiter's Gluon kernel is ours to change."""
     reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])
     return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
 
 
-def layout_rule(call: Call, router: FlyDSLRouter) -> str | None:
+def layout_rule(call: Call, router: RouterView) -> str | None:
     """FlyDSL is launched with the cache layout (``Preshuffle``) stock passes Gluon, or not at all."""
     block_size = call.kv_cache.shape[1]
     layout = router.hooks.preshuffle(block_size)

@@ -9,7 +9,11 @@ the original through :func:`unpatched`.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
+from typing import Any, NamedTuple, Protocol
+
+import torch
 
 TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 TARGET_NAME = "rocm_fp8_paged_mqa_logits"
@@ -51,3 +55,46 @@ def signature_problem(fn: object) -> str | None:
 def unpatched(fn: Callable) -> Callable:
     """``fn`` itself, or the original function when ``fn`` is this package's wrapper."""
     return fn.__wrapped__ if getattr(fn, MARKER, False) else fn
+
+
+class Call(NamedTuple):
+    """One call as the rules see it."""
+
+    q_fp8: torch.Tensor
+    kv_cache: torch.Tensor
+    weights: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    max_model_len: int
+    compress_ratio: int
+    caller: str | None
+    dcp_world_size: int
+
+    def key(self) -> tuple:
+        """Everything the memoised rules read: shapes, dtypes, q's contiguity and the Python arguments."""
+        return (
+            self.q_fp8.shape,
+            self.kv_cache.shape,
+            self.weights.shape,
+            self.context_lens.shape,
+            self.block_tables.shape,
+            self.q_fp8.dtype,
+            self.kv_cache.dtype,
+            self.weights.dtype,
+            self.context_lens.dtype,
+            self.block_tables.dtype,
+            self.q_fp8.is_contiguous(),
+            self.max_model_len,
+            self.compress_ratio,
+            self.caller,
+            self.dcp_world_size,
+        )
+
+
+class RouterView(Protocol):
+    """What a rule reads of the router besides the call (see :data:`vllm_flydsl_indexer.router.RULES`)."""
+
+    variant: Any  # the identified kernels.KernelVariant
+    hooks: Any  # stock.StockHooks: what vLLM's original would do
+    table: Any  # tuning.TunedTable, or None
+    logger: logging.Logger

@@ -35,12 +35,9 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vllm_flydsl_indexer.kernels import cu_count
-
-if TYPE_CHECKING:
-    from vllm_flydsl_indexer.router import Call, FlyDSLRouter
+from vllm_flydsl_indexer.target import Call, RouterView
 
 COLUMNS = (
     "gfx",
@@ -225,7 +222,7 @@ def describe(table: TunedTable) -> list[dict[str, object]]:
     return out
 
 
-def _choice(call: Call, router: FlyDSLRouter) -> tuple[str, int, int] | None:
+def _choice(call: Call, router: RouterView) -> tuple[str, int, int] | None:
     """``(backend, batch bucket, CUs)`` of the router's table for this call, or ``None``.
 
     A table with no rows for this GPU's CU count is dropped from the router,
@@ -255,7 +252,7 @@ def _where(table: TunedTable, bucket: int, cus: int) -> str:
     return f"tuned table {table.source}, batch >= {bucket} on {table.gfx} with {cus} CUs"
 
 
-def table_rule(call: Call, router: FlyDSLRouter) -> str | None:
+def table_rule(call: Call, router: RouterView) -> str | None:
     """A measured table that found stock (Gluon) faster at this shape and batch keeps it stock."""
     table = router.table
     pick = _choice(call, router)
@@ -269,7 +266,7 @@ def table_rule(call: Call, router: FlyDSLRouter) -> str | None:
     )
 
 
-def flydsl_note(call: Call, router: FlyDSLRouter) -> str:
+def flydsl_note(call: Call, router: RouterView) -> str:
     """For the first-taken log line: the table's FlyDSL pick, when a table decided."""
     table = router.table
     pick = _choice(call, router)
