@@ -17,6 +17,7 @@ import pytest
 
 import vllm_flydsl_indexer
 from vllm_flydsl_indexer import callers, kernels, router, stock, tuning
+from vllm_flydsl_indexer import target as target_module
 from vllm_flydsl_indexer import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
@@ -106,7 +107,7 @@ MUTATIONS = {
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
 }
-RULE_MODULES = (router, callers, kernels, stock, tuning)
+RULE_MODULES = (router, target_module, callers, kernels, stock, tuning)
 
 
 def plant(monkeypatch, old: str, new: str) -> int:
