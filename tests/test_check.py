@@ -17,8 +17,8 @@ import pytest
 
 import vllm_flydsl_indexer
 from vllm_flydsl_indexer import callers, kernels, router, stock, tuning
-from vllm_flydsl_indexer import target as target_module
 from vllm_flydsl_indexer import cli as cli_mod
+from vllm_flydsl_indexer import target as target_module
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
 
