@@ -68,7 +68,7 @@ def main() -> int:
     import vllm_flydsl_indexer
     from vllm_flydsl_indexer import patch
     from vllm_flydsl_indexer.callers import call_site_in
-    from vllm_flydsl_indexer.reference import make_paged_problem
+    from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
     def noop(*a, **k):
         return None
@@ -145,8 +145,8 @@ def interleaved(arms: dict, call_args: tuple, calls: int, rounds: int) -> dict[s
 def standalone(args) -> int:
     import torch
 
-    from vllm_flydsl_indexer.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
-    from vllm_flydsl_indexer.reference import make_paged_problem
+    from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
+    from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
     def noop(*a, **k):
         return None

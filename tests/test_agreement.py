@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import import_call_site
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE, call_site_in
-from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 
 def poison_workspace(rows: int, max_model_len: int) -> None:

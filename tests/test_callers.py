@@ -19,7 +19,7 @@ from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE, call_site_in, multi_row_objection
-from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference, make_paged_problem
+from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 GLM5NEXT = "vllm.models.glm5next.amd.sparse_indexer"
 DSV41 = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"

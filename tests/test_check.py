@@ -17,8 +17,8 @@ import pytest
 
 import vllm_flydsl_indexer
 from vllm_flydsl_indexer import callers, kernels, router, stock, tuning
-from vllm_flydsl_indexer import cli as cli_mod
 from vllm_flydsl_indexer import target as target_module
+from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
 
@@ -181,7 +181,7 @@ def test_a_shape_stock_itself_rejects_passes_when_the_patched_call_delegates_ali
     target, workspace, monkeypatch, capsys
 ):
     """A real Gluon may reject a head count no model uses: that is vLLM's answer, on both arms."""
-    from vllm_flydsl_indexer import paths, reference
+    from vllm_flydsl_indexer.tools import paths, reference
 
     def picky_gluon(q_fp8, *args, **kwargs):
         if q_fp8.shape[2] == 24:
@@ -215,9 +215,10 @@ def test_check_applies_the_found_variants_contract(
     flydsl, dispatcher, aiter_as, target, workspace, monkeypatch, capsys
 ):
     """With each kernel variant's double as the FlyDSL arm, check's expected arms follow that variant."""
-    from vllm_flydsl_indexer import arms as arms_module
-    from vllm_flydsl_indexer import check, kernels
-    from vllm_flydsl_indexer.reference import gluon_contract_reference
+    from vllm_flydsl_indexer import kernels
+    from vllm_flydsl_indexer.tools import arms as arms_module
+    from vllm_flydsl_indexer.tools import check
+    from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
     variant = kernels.find_kernel().variant
@@ -240,8 +241,8 @@ def test_check_applies_the_found_variants_contract(
 
 def test_check_fails_a_flydsl_arm_that_writes_past_the_read_windows(target, workspace, monkeypatch, capsys):
     """FlyDSL writes exactly the read columns (hence no -inf prefill): check holds it to that."""
-    from vllm_flydsl_indexer import arms as arms_module
-    from vllm_flydsl_indexer import check, reference
+    from vllm_flydsl_indexer.tools import arms as arms_module
+    from vllm_flydsl_indexer.tools import check, reference
 
     def prefilling(q, kv, w, out, *args, **kwargs):
         out.fill_(float("-inf"))
@@ -263,7 +264,7 @@ def test_check_fails_a_flydsl_arm_that_writes_past_the_read_windows(target, work
 
 
 def test_vllm_target_says_why_vllms_own_function_is_not_used(target, monkeypatch):
-    from vllm_flydsl_indexer import paths
+    from vllm_flydsl_indexer.tools import paths
 
     assert paths.vllm_target() == (target, "vLLM would run aiter's Gluon kernel here")
     monkeypatch.setattr(target, "paged_mqa_logits_module", lambda: None)
@@ -282,7 +283,7 @@ def test_check_in_a_patched_process_compares_against_the_original(installed, wor
     """Where the plugin is already installed, stock must be vLLM's original, not the plugin's wrapper."""
     import torch
 
-    from vllm_flydsl_indexer import arms, paths
+    from vllm_flydsl_indexer.tools import arms, paths
 
     assert target.rocm_fp8_paged_mqa_logits is installed.wrapper
     found = paths.build_paths(arms.detect_arms(torch.device("cpu")), torch.device("cpu"), 8, 256)

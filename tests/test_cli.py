@@ -132,8 +132,8 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
 
 def test_check_fails_on_disagreement(monkeypatch, capsys):
     """A FlyDSL arm that is wrong must turn check red."""
-    from vllm_flydsl_indexer import arms, check
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import arms, check
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     real_detect = arms.detect_arms
 
@@ -214,7 +214,7 @@ def test_bench_cpu_reference_arms_json_csv(tmp_path):
 def test_bench_names_every_file_it_writes(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from vllm_flydsl_indexer import bench
+    from vllm_flydsl_indexer.tools import bench
 
     monkeypatch.chdir(tmp_path)
     drawn = []
@@ -232,7 +232,7 @@ def test_bench_names_every_file_it_writes(tmp_path, monkeypatch):
 
 
 def test_bench_skips_pools_over_two_gib():
-    from vllm_flydsl_indexer.bench import Shape
+    from vllm_flydsl_indexer.tools.bench import Shape
 
     assert Shape(64, 128, 64, 1, 128, 131072).pool_bytes() >= 2**31
     assert Shape(64, 128, 64, 1, 32, 131072).pool_bytes() < 2**31
@@ -254,7 +254,7 @@ def test_python_m_entry_and_console_script_agree():
 @pytest.fixture
 def no_work(monkeypatch):
     """check.main and bench.main replaced: records the arguments that reached them."""
-    from vllm_flydsl_indexer import bench, check
+    from vllm_flydsl_indexer.tools import bench, check
 
     reached = []
 
@@ -276,7 +276,7 @@ def no_gpu(monkeypatch):
 
 def rejected(argv, capsys) -> str:
     """Run the CLI on ``argv``; assert exit 2 with one stderr line and return that line."""
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     with pytest.raises(SystemExit) as exit_info:
         cli_mod.main(argv)
@@ -381,7 +381,7 @@ def test_bad_input_is_one_line_naming_the_argument_before_any_work(
     no_gpu(monkeypatch)
     monkeypatch.chdir(tmp_path)  # relative output files land here; none is left behind
     if argument is None:  # the control: accepted input reaches the command
-        from vllm_flydsl_indexer import cli as cli_mod
+        from vllm_flydsl_indexer.tools import cli as cli_mod
 
         assert cli_mod.main(argv) == 0 and len(no_work) == 1
         return
@@ -414,7 +414,7 @@ def test_plot_needs_matplotlib_before_any_work(tmp_path, no_work, monkeypatch, c
     assert "argument --plot: needs matplotlib" in line and "pip install matplotlib" in line
     assert no_work == []
     monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     assert cli_mod.main(["bench", "--device", "cpu", "--plot", path]) == 0
     assert [a.plot_path for a in no_work] == [path]
@@ -423,7 +423,7 @@ def test_plot_needs_matplotlib_before_any_work(tmp_path, no_work, monkeypatch, c
 def test_present_devices_are_accepted_and_absent_ones_named(no_work, monkeypatch, capsys):
     import torch
 
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -435,7 +435,7 @@ def test_present_devices_are_accepted_and_absent_ones_named(no_work, monkeypatch
 
 
 def test_valid_values_reach_the_commands_parsed(no_work, monkeypatch):
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     no_gpu(monkeypatch)
     argv = ["check", "--batch", "3", "--next-n", "1,2", "--block-size", "1,64", "--context-len", "256"]
@@ -450,7 +450,7 @@ def test_limits_use_the_gpu_defaults_on_a_gpu(no_work, monkeypatch, capsys):
     """Without --context-len, --next-n is checked against the default of the device that will run."""
     import torch
 
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
@@ -476,8 +476,8 @@ def test_limits_use_the_gpu_defaults_on_a_gpu(no_work, monkeypatch, capsys):
 @pytest.mark.parametrize("command", ["check", "bench"])
 def test_running_out_of_memory_is_one_line_not_a_traceback(command, monkeypatch, capsys):
     """The limits are what the tool can run; a machine with less memory gets one line, exit 1."""
-    from vllm_flydsl_indexer import bench, check
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import bench, check
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     def out_of_memory(args):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 9 bytes.")
@@ -527,7 +527,7 @@ def test_console_bad_input_exits_2_with_one_line_and_no_traceback(argv):
 
 
 def test_check_models_named_by_the_parser_are_checks_models():
-    from vllm_flydsl_indexer import check, cli_args
+    from vllm_flydsl_indexer.tools import check, cli_args
 
     assert cli_args.CHECK_MODELS == tuple(check.MODELS)
 
@@ -538,7 +538,7 @@ def test_check_models_named_by_the_parser_are_checks_models():
 def test_parser_and_help_import_no_torch():
     code = (
         "import sys\n"
-        "import vllm_flydsl_indexer.cli as c\n"
+        "import vllm_flydsl_indexer.tools.cli as c\n"
         "c.build_parser()\n"
         "for argv in (['--help'], ['doctor', '--help'], ['check', '--help'], ['bench', '--help']):\n"
         "    try:\n"
@@ -571,7 +571,7 @@ class Terminal(io.StringIO):
 
 
 def run_progress(stream) -> str:
-    from vllm_flydsl_indexer.progress import Progress
+    from vllm_flydsl_indexer.tools.progress import Progress
 
     with Progress(3, "check", stream) as progress:
         for name in ("case a", "case b", "case c"):
@@ -607,7 +607,7 @@ def test_progress_in_a_log_is_one_plain_line_per_step():
 
 
 def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys):
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     argv = ["check", "--next-n", "1", "--context-len", "1", "--batch", "1", "--device", "cpu"]
     rc = cli_mod.main([*argv, "--model", "glm-5", "--block-size", "64"])
@@ -622,7 +622,7 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
 
 
 def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():
-    from vllm_flydsl_indexer.check import build_cases, not_run_note
+    from vllm_flydsl_indexer.tools.check import build_cases, not_run_note
 
     default = build_cases(["glm-5"], (64,), (1, 2), 2, 64)
     assert len(default) == 16 and not_run_note((1, 2)) is None
@@ -638,8 +638,8 @@ def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():
 
 
 def test_tune_with_json_writes_it_and_takes_an_empty_csv_as_new(tmp_path, capsys):
-    from vllm_flydsl_indexer import cli as cli_mod
     from vllm_flydsl_indexer import tuning
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     table, report = tmp_path / "t.csv", tmp_path / "j.json"
     table.touch()  # an existing, empty file: a new table
@@ -661,8 +661,8 @@ def test_bench_keeps_the_results_when_a_late_write_fails(tmp_path, monkeypatch, 
     """The outputs were opened before the run; should a write still fail, the results go to stdout."""
     import shutil
 
-    from vllm_flydsl_indexer import bench
-    from vllm_flydsl_indexer import cli as cli_mod
+    from vllm_flydsl_indexer.tools import bench
+    from vllm_flydsl_indexer.tools import cli as cli_mod
 
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -698,8 +698,8 @@ def test_bench_keeps_the_results_when_a_late_write_fails(tmp_path, monkeypatch, 
 def test_tune_keeps_the_rows_when_the_late_write_fails(tmp_path, monkeypatch, capsys):
     import shutil
 
-    from vllm_flydsl_indexer import cli as cli_mod
-    from vllm_flydsl_indexer import tune
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+    from vllm_flydsl_indexer.tools import tune
 
     out_dir = tmp_path / "out"
     out_dir.mkdir()
@@ -724,7 +724,7 @@ def test_tune_keeps_the_rows_when_the_late_write_fails(tmp_path, monkeypatch, ca
 
 
 def test_doctor_names_an_unset_or_off_switch_and_what_turns_it_on():
-    from vllm_flydsl_indexer import doctor
+    from vllm_flydsl_indexer.tools import doctor
 
     for environ, switch_line, gate_text in (
         (
@@ -744,7 +744,7 @@ def test_doctor_names_an_unset_or_off_switch_and_what_turns_it_on():
 
 
 def test_doctor_says_what_stock_runs_gluon_only_on_a_rocm_gfx950_vllm():
-    from vllm_flydsl_indexer import doctor
+    from vllm_flydsl_indexer.tools import doctor
 
     assert (
         doctor.stock_report({"vllm_platform": "vLLM not installed", "gcn_arch": None}) == "vLLM not installed"

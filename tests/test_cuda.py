@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
-from vllm_flydsl_indexer.reference import (
+from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
+from vllm_flydsl_indexer.tools.reference import (
     flydsl_contract_reference,
     fp8_paged_mqa_logits_reference,
     gluon_contract_reference,
@@ -219,7 +219,7 @@ def test_first_compile_never_happens_inside_capture():
 
 
 def test_bench_runs_end_to_end_on_gpu(tmp_path):
-    from vllm_flydsl_indexer import cli
+    from vllm_flydsl_indexer.tools import cli
 
     path = tmp_path / "bench.json"
     rc = cli.main(

@@ -630,7 +630,7 @@ def test_throughput_ab_tunes_on_the_node_then_ab_with_the_table(tuned_run) -> No
 
 def test_the_tune_step_is_the_plugins_own_command(tuned_run) -> None:
     """The argv the script ran parses with the plugin's CLI as ``bench --tune``."""
-    from vllm_flydsl_indexer.cli import build_parser
+    from vllm_flydsl_indexer.tools.cli import build_parser
 
     box, _ = tuned_run
     tune = box.calls("vllm-flydsl-indexer")[0]

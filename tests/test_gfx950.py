@@ -73,7 +73,7 @@ from vllm.v1.worker.workspace import init_workspace_manager, current_workspace_m
 from vllm_flydsl_indexer import patch
 from vllm_flydsl_indexer.callers import call_site_in
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 installed = patch.installed()
 assert installed is not None, "plugin not active"

@@ -21,7 +21,7 @@ from test_kernel_variants import SYNC_OPS, SyncAudit
 from vllm_flydsl_indexer import envs, kernels, patch
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
-from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 EARLY_MODULE = "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early"
 LATER_MODULE = "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950"
@@ -287,7 +287,7 @@ def import_kpool_site():
 
 
 def test_doctor_shows_flydsl_active_and_the_shapes_this_revision_takes(aiter_as):
-    from vllm_flydsl_indexer import doctor
+    from vllm_flydsl_indexer.tools import doctor
 
     aiter_as(flydsl="gfx950-early")
     data = doctor.report({envs.SWITCH: "1"})

@@ -25,8 +25,8 @@ from test_agreement import poison_workspace
 from vllm_flydsl_indexer import envs, kernels, patch
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
-from vllm_flydsl_indexer.reference import make_paged_problem
 from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")
 SYNC_OPS = {"aiter::_local_scalar_dense", "aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
@@ -391,7 +391,7 @@ def test_pool_limit_is_exclusive_at_2_to_the_31_bytes():
     ],
 )
 def test_doctor_names_the_variant_and_the_shapes_it_takes(aiter_as, flydsl, dispatcher, name, v32_kvb64):
-    from vllm_flydsl_indexer import doctor
+    from vllm_flydsl_indexer.tools import doctor
 
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
     data = doctor.report({envs.SWITCH: "1"})
@@ -406,7 +406,7 @@ def test_doctor_names_the_variant_and_the_shapes_it_takes(aiter_as, flydsl, disp
 def test_padded_q_gfx950_revision_keeps_stock_with_one_warning_and_no_call(
     target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls
 ):
-    from vllm_flydsl_indexer import doctor
+    from vllm_flydsl_indexer.tools import doctor
 
     aiter_as(flydsl="gfx950-padded-q")
     monkeypatch.setenv(envs.SWITCH, "1")

@@ -14,8 +14,9 @@ import json
 import torch
 
 from conftest import Recorder, as_args, base_problem, router_for
-from vllm_flydsl_indexer import doctor, envs, kernels
+from vllm_flydsl_indexer import envs, kernels
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
+from vllm_flydsl_indexer.tools import doctor
 
 
 def block_outer_layer_view(p, layers: int = 3, layer: int = 1) -> torch.Tensor:

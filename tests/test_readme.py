@@ -36,7 +36,7 @@ def test_ci_runs_the_readme_test_command_verbatim():
 
 def test_console_script_and_entry_point_are_declared():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["scripts"]["vllm-flydsl-indexer"] == "vllm_flydsl_indexer.cli:main"
+    assert project["scripts"]["vllm-flydsl-indexer"] == "vllm_flydsl_indexer.tools.cli:main"
     assert project["entry-points"]["vllm.general_plugins"] == {
         "flydsl_indexer": "vllm_flydsl_indexer:register"
     }

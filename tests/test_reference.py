@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer import reference as ref
+from vllm_flydsl_indexer.tools import reference as ref
 
 POISON = 12345.0
 

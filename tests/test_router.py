@@ -19,7 +19,7 @@ from conftest import (
     router_for,
 )
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
-from vllm_flydsl_indexer.reference import fp8_paged_mqa_logits_reference, make_paged_problem
+from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 
 def _violations():

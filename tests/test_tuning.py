@@ -14,7 +14,7 @@ from test_agreement import poison_workspace
 from vllm_flydsl_indexer import envs, patch, tuning
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
-from vllm_flydsl_indexer.reference import make_paged_problem
+from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 HEADER = ",".join(tuning.COLUMNS)
 
@@ -279,7 +279,7 @@ TUNE_ARGS = [
 
 
 def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsys):
-    from vllm_flydsl_indexer import cli
+    from vllm_flydsl_indexer.tools import cli
 
     path = tmp_path / "tuned.csv"
     earlier = row(gfx="gfx950", cu=256, batch=64)
@@ -300,7 +300,7 @@ def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsy
 
 
 def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsys):
-    from vllm_flydsl_indexer import cli
+    from vllm_flydsl_indexer.tools import cli
 
     path = tmp_path / "tuned.csv"
     with pytest.raises(SystemExit) as refused:
@@ -321,7 +321,7 @@ def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsy
 
 
 def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
-    from vllm_flydsl_indexer import doctor
+    from vllm_flydsl_indexer.tools import doctor
 
     path = tmp_path / "tuned.csv"
     path.write_text(

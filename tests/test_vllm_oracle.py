@@ -15,7 +15,7 @@ import inspect
 import pytest
 import torch
 
-from vllm_flydsl_indexer import reference as ref
+from vllm_flydsl_indexer.tools import reference as ref
 
 POISON = 7.25
 

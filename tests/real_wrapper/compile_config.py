@@ -206,9 +206,9 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     import torch
 
     from vllm_flydsl_indexer import kernels
-    from vllm_flydsl_indexer.arms import Arms, Workspace, from_defining_module, patched_call
-    from vllm_flydsl_indexer.reference import gluon_contract_reference, make_paged_problem
     from vllm_flydsl_indexer.router import KernelConfig
+    from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call
+    from vllm_flydsl_indexer.tools.reference import gluon_contract_reference, make_paged_problem
 
     kernels._device_cu_count = lambda device_type, index: MI355X_CUS
     variant, problems = _find_variant(kernels)

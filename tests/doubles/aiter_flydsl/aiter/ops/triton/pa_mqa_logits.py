@@ -2,7 +2,7 @@
 """Gluon-contract double of aiter's ``deepgemm_fp8_paged_mqa_logits``."""
 
 import aiter
-from vllm_flydsl_indexer.reference import gluon_contract_reference
+from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
 
 def deepgemm_fp8_paged_mqa_logits(

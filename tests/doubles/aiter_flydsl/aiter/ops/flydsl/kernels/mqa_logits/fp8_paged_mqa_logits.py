@@ -15,7 +15,7 @@ import os
 import torch
 
 import aiter
-from vllm_flydsl_indexer.reference import flydsl_contract_reference
+from vllm_flydsl_indexer.tools.reference import flydsl_contract_reference
 
 BROKEN = False
 SHORT_BY_ONE = False

@@ -14,7 +14,7 @@ general kernel. Tests may monkeypatch the constants to model other revisions.
 import torch
 
 import aiter
-from vllm_flydsl_indexer.reference import flydsl_contract_reference
+from vllm_flydsl_indexer.tools.reference import flydsl_contract_reference
 
 NUM_HEADS = 32
 HEAD_DIM = 128

@@ -29,7 +29,7 @@ from functools import lru_cache
 import torch
 
 import aiter
-from vllm_flydsl_indexer.reference import flydsl_contract_reference
+from vllm_flydsl_indexer.tools.reference import flydsl_contract_reference
 
 SUPPORTED_HEADS = (32, 64)
 HEAD_DIM = 128

@@ -15,7 +15,7 @@ Anything else raises ValueError. Like the real wrapper, an automatic
 import torch
 
 import aiter
-from vllm_flydsl_indexer.reference import flydsl_contract_reference
+from vllm_flydsl_indexer.tools.reference import flydsl_contract_reference
 
 MAX_NN = 8
 NUM_HEADS = 32

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer.cli_args import CHECK_BLOCKS
 from vllm_flydsl_indexer.kernels import SCALE_BYTES, KernelVariant
-from vllm_flydsl_indexer.reference import PagedProblem, make_paged_problem, mtp_bounds
+from vllm_flydsl_indexer.tools.cli_args import CHECK_BLOCKS
+from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, mtp_bounds
 
 # Indexer shapes of real models: name -> (heads, head_dim).
 MODELS = {

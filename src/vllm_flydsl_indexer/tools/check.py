@@ -1,10 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-flydsl-indexer check``: prove the two arms agree on this machine.
 
-Each case (:mod:`vllm_flydsl_indexer.cases`) builds a paged problem in vLLM's
+Each case (:mod:`vllm_flydsl_indexer.tools.cases`) builds a paged problem in vLLM's
 layout and runs it twice into a NaN-poisoned output buffer: through the stock
 function, and through the patched function as serving installs it, called
-from the case's call site (:mod:`vllm_flydsl_indexer.paths`: vLLM's own
+from the case's call site (:mod:`vllm_flydsl_indexer.tools.paths`: vLLM's own
 function where vLLM would run aiter's Gluon here, else the mirror). One router
 serves every case, as one process serves every layer, so a verdict memoised
 wrongly shows. A case passes only when:
@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer import cli_args
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, detect_arms
-from vllm_flydsl_indexer.cases import (
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.tools.arms import Arms, detect_arms
+from vllm_flydsl_indexer.tools.cases import (
     BLOCKS,
     CALLER_LABELS,
     MODELS,
@@ -40,10 +41,9 @@ from vllm_flydsl_indexer.cases import (
     model_cases,
     mtp_next_n,
 )
-from vllm_flydsl_indexer.paths import Paths, build_paths
-from vllm_flydsl_indexer.progress import Progress
-from vllm_flydsl_indexer.reference import PagedProblem
-from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.tools.paths import Paths, build_paths
+from vllm_flydsl_indexer.tools.progress import Progress
+from vllm_flydsl_indexer.tools.reference import PagedProblem
 
 __all__ = ["MODELS", "main"]
 
@@ -70,7 +70,7 @@ class CaseResult:
 
 def quiet_logger() -> logging.Logger:
     """The routers' logger in ``check``: the table reports what they would log."""
-    logger = logging.getLogger("vllm_flydsl_indexer.check.router")
+    logger = logging.getLogger("vllm_flydsl_indexer.tools.check.router")
     logger.propagate = False
     logger.addHandler(logging.NullHandler())
     return logger

@@ -10,7 +10,7 @@
   :func:`~vllm_flydsl_indexer.patch.wrap` exactly as serving wraps it, and
   called from the call sites' own modules so the caller rules apply.
 * **The mirror** everywhere else: a copy of vLLM 0.33.0's gfx9 branches
-  (:func:`~vllm_flydsl_indexer.arms.stock_call`) and hooks that mirror vLLM's.
+  (:func:`~vllm_flydsl_indexer.tools.arms.stock_call`) and hooks that mirror vLLM's.
 
 With reference arms (no gfx950 GPU, or ``--reference``), vLLM's own function
 runs with its two kernel lookups (aiter's Gluon module and the C4A Triton
@@ -34,18 +34,18 @@ import torch
 
 from vllm_flydsl_indexer import patch
 from vllm_flydsl_indexer._logging import get_logger
-from vllm_flydsl_indexer.arms import (
+from vllm_flydsl_indexer.callers import call_site_in
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.stock import StockHooks, vllm_gluon_objection, vllm_stock_hooks
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
+from vllm_flydsl_indexer.tools.arms import (
     Arms,
     Workspace,
     c4a_route_reference,
     mirror_hooks,
     stock_call,
 )
-from vllm_flydsl_indexer.callers import call_site_in
-from vllm_flydsl_indexer.reference import gluon_contract_reference
-from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import StockHooks, vllm_gluon_objection, vllm_stock_hooks
-from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
+from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
 
 @dataclass

@@ -5,7 +5,7 @@ Arms (every one available here):
 
 * ``gluon`` and ``flydsl``: aiter's kernels, called directly (gfx950 only);
 * ``stock-call`` and ``patched-call``: the stock function and the patched
-  function exactly as ``check`` runs them (:mod:`vllm_flydsl_indexer.paths`:
+  function exactly as ``check`` runs them (:mod:`vllm_flydsl_indexer.tools.paths`:
   vLLM's own function where vLLM would run aiter's Gluon here, else the
   mirror), end to end, both called from the defining module's call site;
 * ``reference``: the pure-torch reference, always. Where the real kernels are
@@ -34,14 +34,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from vllm_flydsl_indexer import cli_args
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, detect_arms
-from vllm_flydsl_indexer.cases import INDEXER
-from vllm_flydsl_indexer.check import quiet_logger
-from vllm_flydsl_indexer.paths import Paths, build_paths
-from vllm_flydsl_indexer.progress import Progress
-from vllm_flydsl_indexer.reference import (
+from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.tools.arms import Arms, detect_arms
+from vllm_flydsl_indexer.tools.cases import INDEXER
+from vllm_flydsl_indexer.tools.check import quiet_logger
+from vllm_flydsl_indexer.tools.paths import Paths, build_paths
+from vllm_flydsl_indexer.tools.progress import Progress
+from vllm_flydsl_indexer.tools.reference import (
     PagedProblem,
     fp8_paged_mqa_logits_reference,
     make_paged_problem,
@@ -461,7 +461,7 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
 
 def main(args) -> int:
     if args.tune_path:
-        from vllm_flydsl_indexer import tune
+        from vllm_flydsl_indexer.tools import tune
 
         return tune.main(args)
     results, meta = run(args)

@@ -8,7 +8,7 @@
   kernels.
 
 Also the mirror of vLLM 0.33.0's gfx950 branches (:func:`stock_call`,
-:func:`mirror_hooks`), which :mod:`vllm_flydsl_indexer.paths` uses where vLLM's
+:func:`mirror_hooks`), which :mod:`vllm_flydsl_indexer.tools.paths` uses where vLLM's
 own function would not run aiter's Gluon kernel.
 """
 
@@ -25,13 +25,13 @@ import torch
 from vllm_flydsl_indexer._logging import get_logger
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
 from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
-from vllm_flydsl_indexer.reference import (
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.stock import StockHooks
+from vllm_flydsl_indexer.tools.reference import (
     flydsl_contract_reference,
     fp8_paged_mqa_logits_reference,
     gluon_contract_reference,
 )
-from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import StockHooks
 
 GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
 GLUON_NAME = "deepgemm_fp8_paged_mqa_logits"

@@ -128,7 +128,7 @@ def stock_report(plat: dict[str, Any]) -> str:
     if plat["gcn_arch"] is None or "gfx950" not in plat["gcn_arch"]:
         return "not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon"
     try:
-        from vllm_flydsl_indexer.paths import vllm_target
+        from vllm_flydsl_indexer.tools.paths import vllm_target
 
         target, why = vllm_target()
     except Exception as e:  # noqa: BLE001 - doctor reports, never crashes

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_flydsl_indexer import cli_args
+from vllm_flydsl_indexer.tools import cli_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,16 +34,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from vllm_flydsl_indexer import doctor
+        from vllm_flydsl_indexer.tools import doctor
 
         return doctor.main(as_json=args.json, strict=args.strict)
     problem = cli_args.validate(args)
     if problem is not None:
         cli_args.fail(f"{cli_args.PROG} {args.command}", problem)
     if args.command == "check":
-        from vllm_flydsl_indexer import check as command
+        from vllm_flydsl_indexer.tools import check as command
     else:
-        from vllm_flydsl_indexer import bench as command
+        from vllm_flydsl_indexer.tools import bench as command
     try:
         return command.main(args)
     except (MemoryError, RuntimeError) as e:

@@ -29,11 +29,12 @@ import time
 
 import torch
 
-from vllm_flydsl_indexer import cli_args, tuning
+from vllm_flydsl_indexer import tuning
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.arms import Arms, Workspace, detect_arms
 from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, cu_count
-from vllm_flydsl_indexer.reference import (
+from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.tools.arms import Arms, Workspace, detect_arms
+from vllm_flydsl_indexer.tools.reference import (
     fp8_paged_mqa_logits_reference,
     make_paged_problem,
     per_sequence_lens,
@@ -55,7 +56,7 @@ def refusal(arms: Arms) -> str | None:
 
 
 def _time(fn, problems, warmup: int, repeats: int, device: torch.device) -> float:
-    from vllm_flydsl_indexer.bench import Timer
+    from vllm_flydsl_indexer.tools.bench import Timer
 
     samples = Timer(device).time_us(lambda i: fn(problems[i % len(problems)]), warmup, repeats)
     return statistics.median(samples)
