@@ -460,10 +460,7 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    if args.tune_path:
-        from vllm_flydsl_indexer.tools import tune
-
-        return tune.main(args)
+    """``bench`` without ``--tune`` (the CLI sends ``--tune`` to :func:`vllm_flydsl_indexer.tools.tune.main`)."""
     results, meta = run(args)
     print(render(results, meta))
     written, unwritten = write_outputs(results, meta, args)

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         cli_args.fail(f"{cli_args.PROG} {args.command}", problem)
     if args.command == "check":
         from vllm_flydsl_indexer.tools import check as command
+    elif args.tune_path:
+        from vllm_flydsl_indexer.tools import tune as command
     else:
         from vllm_flydsl_indexer.tools import bench as command
     try:
