@@ -28,9 +28,11 @@ from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.stock import StockHooks
 from vllm_flydsl_indexer.tools.reference import (
+    PagedProblem,
     flydsl_contract_reference,
     fp8_paged_mqa_logits_reference,
     gluon_contract_reference,
+    per_sequence_lens,
 )
 
 GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
@@ -119,6 +121,32 @@ class Workspace:
         return self.buffer[: rows * max_model_len].view(rows, max_model_len)
 
 
+# vLLM's own Gluon call's other knobs (tests/test_drift.py pins them).
+GLUON_KNOBS = {"ChunkK": 256, "WavePerEU": 2}
+
+
+def raw_launch(kernel: Callable, output_buffer: Callable[[int, int], torch.Tensor], **knobs) -> Callable:
+    """``kernel`` launched straight on a :class:`PagedProblem`, as vLLM launches Gluon (no router)."""
+
+    def run(p: PagedProblem) -> torch.Tensor:
+        out = output_buffer(p.batch * p.next_n, p.max_model_len)
+        kernel(
+            p.q_fp8,
+            p.kv_cache,
+            p.weights,
+            out,
+            per_sequence_lens(p.context_lens, p.batch).contiguous(),
+            p.block_tables,
+            p.max_model_len,
+            Preshuffle=p.block_size > 1,
+            KVBlockSize=p.block_size,
+            **knobs,
+        )
+        return out
+
+    return run
+
+
 def per_sequence_context_lens(context_lens: torch.Tensor) -> torch.Tensor:
     """vLLM's ``_per_sequence_context_lens``, for use without vLLM."""
     if context_lens.dim() == 2 and context_lens.shape[1] > 1:
@@ -188,10 +216,9 @@ def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Ten
             per_sequence_context_lens(context_lens),
             block_tables,
             max_model_len,
-            ChunkK=256,
             Preshuffle=block_size > 1,
             KVBlockSize=block_size,
-            WavePerEU=2,
+            **GLUON_KNOBS,
         )
         return out
 

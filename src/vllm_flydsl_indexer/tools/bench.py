@@ -36,7 +36,7 @@ import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.tools import cli_args
-from vllm_flydsl_indexer.tools.arms import Arms, detect_arms
+from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.cases import INDEXER
 from vllm_flydsl_indexer.tools.check import quiet_logger
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
@@ -180,25 +180,6 @@ def arm_callables(arms: Arms, paths: Paths) -> dict[str, tuple[bool, Callable]]:
     """name -> (is a real kernel, fn(problem) -> logits), all writing the paths' output buffer."""
     output_buffer = paths.output_buffer
 
-    def raw(kernel, **kw):
-        def run(p: PagedProblem):
-            out = output_buffer(p.batch * p.next_n, p.max_model_len)
-            kernel(
-                p.q_fp8,
-                p.kv_cache,
-                p.weights,
-                out,
-                per_sequence_lens(p.context_lens, p.batch).contiguous(),
-                p.block_tables,
-                p.max_model_len,
-                Preshuffle=p.block_size > 1,
-                KVBlockSize=p.block_size,
-                **kw,
-            )
-            return out
-
-        return run
-
     def call(fn):
         return lambda p: fn(*p.call_args())
 
@@ -219,8 +200,8 @@ def arm_callables(arms: Arms, paths: Paths) -> dict[str, tuple[bool, Callable]]:
     found: dict[str, tuple[bool, Callable]] = {}
     suffix = "" if arms.real else "[ref]"
     if arms.real:
-        found["gluon"] = (True, raw(arms.gluon, ChunkK=256, WavePerEU=2))
-        found["flydsl"] = (True, raw(arms.flydsl))
+        found["gluon"] = (True, raw_launch(arms.gluon, output_buffer, **GLUON_KNOBS))
+        found["flydsl"] = (True, raw_launch(arms.flydsl, output_buffer))
     # Both calls go through the same call site (the defining module's indexer),
     # so they pay the same Python call overhead.
     found["stock-call" + suffix] = (arms.real, call(paths.stock_from(INDEXER)))
@@ -460,7 +441,7 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    """``bench`` without ``--tune`` (the CLI sends ``--tune`` to :func:`vllm_flydsl_indexer.tools.tune.main`)."""
+    """``bench`` without ``--tune`` (the CLI sends ``--tune`` to ``tune.main``)."""
     results, meta = run(args)
     print(render(results, meta))
     written, unwritten = write_outputs(results, meta, args)

@@ -33,15 +33,13 @@ from vllm_flydsl_indexer import tuning
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, cu_count
 from vllm_flydsl_indexer.tools import cli_args
-from vllm_flydsl_indexer.tools.arms import Arms, Workspace, detect_arms
+from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.reference import (
     fp8_paged_mqa_logits_reference,
     make_paged_problem,
-    per_sequence_lens,
 )
 
 REFERENCE_GFX = "reference"
-GLUON_KNOBS = {"ChunkK": 256, "WavePerEU": 2}  # vLLM's own Gluon call
 GPU_GRID = cli_args.TUNE_GPU_GRID
 REFERENCE_GRID = cli_args.TUNE_REFERENCE_GRID
 # The row key: a later run replaces a row with the same values of these.
@@ -60,26 +58,6 @@ def _time(fn, problems, warmup: int, repeats: int, device: torch.device) -> floa
 
     samples = Timer(device).time_us(lambda i: fn(problems[i % len(problems)]), warmup, repeats)
     return statistics.median(samples)
-
-
-def _launcher(kernel, workspace: Workspace, **knobs):
-    def run(p):
-        out = workspace.get(p.batch * p.next_n, p.max_model_len)
-        kernel(
-            p.q_fp8,
-            p.kv_cache,
-            p.weights,
-            out,
-            per_sequence_lens(p.context_lens, p.batch),
-            p.block_tables,
-            p.max_model_len,
-            Preshuffle=p.block_size > 1,
-            KVBlockSize=p.block_size,
-            **knobs,
-        )
-        return out
-
-    return run
 
 
 def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str, object]]:
@@ -132,7 +110,7 @@ def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str
         ends = read_window_ends(p0.context_lens, batch * next_n, next_n)
         times = {}
         for backend, kernel, knobs in (("gluon", arms.gluon, GLUON_KNOBS), ("flydsl", arms.flydsl, {})):
-            run = _launcher(kernel, workspace, **knobs)
+            run = raw_launch(kernel, workspace.get, **knobs)
             workspace.buffer.fill_(float("nan"))
             agreement = compare_in_windows(expected, run(p0).clone(), ends, topk=2048)
             if not agreement.ok(REAL_KERNEL_TOLERANCE if arms.real else 0.0):
