@@ -253,8 +253,8 @@ def test_python_m_entry_and_console_script_agree():
 
 @pytest.fixture
 def no_work(monkeypatch):
-    """check.main and bench.main replaced: records the arguments that reached them."""
-    from vllm_flydsl_indexer.tools import bench, check
+    """The commands' main functions replaced: records the arguments that reached them."""
+    from vllm_flydsl_indexer.tools import bench, check, tune
 
     reached = []
 
@@ -264,6 +264,7 @@ def no_work(monkeypatch):
 
     monkeypatch.setattr(check, "main", record)
     monkeypatch.setattr(bench, "main", record)
+    monkeypatch.setattr(tune, "main", record)
     return reached
 
 
