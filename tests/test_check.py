@@ -102,8 +102,8 @@ MUTATIONS = {
         "heads=24 (no kernel takes it)",
     ),
     "memo key without compress_ratio": (
-        "            self.compress_ratio,\n            self.caller,\n",
-        "            self.caller,\n",
+        "            compress_ratio,\n            caller,\n",
+        "            caller,\n",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
 }

@@ -38,6 +38,7 @@ from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
+_new_call = tuple.__new__
 
 
 Rule = Callable[[Call, RouterView], "str | None"]
@@ -52,7 +53,7 @@ class RuleEntry:
 # In order; the first reason wins.
 RULES: tuple[RuleEntry, ...] = (
     RuleEntry(stock.gluon_rule, live=True),  # only the call stock sends to aiter's Gluon
-    RuleEntry(kernels.contiguity_rule, live=True),  # a layer-contiguous cache (strides are live)
+    RuleEntry(kernels.contiguity_rule),  # a layer-contiguous cache
     RuleEntry(kernels.contract_rule),  # the found API's exact contract and limits
     RuleEntry(callers.window_rule),  # written columns equal read columns, per caller
     RuleEntry(stock.layout_rule),  # launched with stock's Preshuffle
@@ -187,16 +188,20 @@ class FlyDSLRouter:
         args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len)
         if self.disabled_reason is not None:
             return self._delegate(self.disabled_reason, args, compress_ratio)
-        call = Call(
-            q_fp8,
-            kv_cache_fp8,
-            weights,
-            context_lens,
-            block_tables,
-            max_model_len,
-            compress_ratio,
-            caller,
-            self.hooks.dcp_world_size(),
+        # tuple.__new__ skips NamedTuple's Python-level __new__: this runs on every call.
+        call = _new_call(
+            Call,
+            (
+                q_fp8,
+                kv_cache_fp8,
+                weights,
+                context_lens,
+                block_tables,
+                max_model_len,
+                compress_ratio,
+                caller,
+                self.hooks.dcp_world_size(),
+            ),
         )
         route = self._route(call)
         if route.reason is not None:

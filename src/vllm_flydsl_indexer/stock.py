@@ -10,6 +10,7 @@ mirror) can inject its own answers.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
@@ -41,7 +42,9 @@ class StockHooks:
     preshuffle: Callable[[int], bool]
 
 
-def vllm_gluon_objection(target: ModuleType, compress_ratio: int = 1, block_size: int = 1) -> str | None:
+def vllm_gluon_objection(
+    target: ModuleType, aiter_ops: object = None, compress_ratio: int = 1, block_size: int = 1
+) -> str | None:
     """Why vLLM's original (module ``target``) would not call aiter's gfx950 Gluon kernel, or ``None``.
 
     The original's own conditions: not its C4A Triton route on gfx9, gfx950,
@@ -49,14 +52,15 @@ def vllm_gluon_objection(target: ModuleType, compress_ratio: int = 1, block_size
     call time, as the original reads them. ``check``, ``bench`` and ``doctor``
     ask the same question (their ``paths.vllm_target``).
     """
-    from vllm._aiter_ops import rocm_aiter_ops
+    if aiter_ops is None:
+        from vllm._aiter_ops import rocm_aiter_ops as aiter_ops
 
     on_gfx9 = target._ON_GFX950 or target._ON_GFX942
     if on_gfx9 and target._indexer_k_is_c4a_block_flat(compress_ratio) and block_size > 1:
         return f"vLLM's own C4A Triton route (compress_ratio={compress_ratio}, block_size={block_size})"
     if not target._ON_GFX950:
         return "vLLM does not report gfx950, so its stock call would not run aiter's Gluon kernel"
-    if not (rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()):
+    if not (aiter_ops.is_enabled() or aiter_ops.is_rdna_aiter_enabled()):
         return "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
     if target.paged_mqa_logits_module() is None:
         return "vLLM finds no aiter Gluon paged-MQA-logits module"
@@ -65,6 +69,7 @@ def vllm_gluon_objection(target: ModuleType, compress_ratio: int = 1, block_size
 
 def vllm_stock_hooks(target: ModuleType) -> StockHooks:
     """Hooks that ask vLLM exactly what the original function asks it."""
+    from vllm._aiter_ops import rocm_aiter_ops
     from vllm.distributed.parallel_state import get_dcp_world_size_and_rank
 
     def output_buffer(rows: int, max_model_len: int) -> torch.Tensor:
@@ -81,9 +86,7 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
         return bool(shuffled(block_size)) and not getattr(target, "_ON_RDNA", False)
 
     return StockHooks(
-        gluon_objection=lambda compress_ratio, block_size: vllm_gluon_objection(
-            target, compress_ratio, block_size
-        ),
+        gluon_objection=functools.partial(vllm_gluon_objection, target, rocm_aiter_ops),
         output_buffer=output_buffer,
         per_sequence_lens=lambda t: target._per_sequence_context_lens(t),
         dcp_world_size=lambda: get_dcp_world_size_and_rank()[0],

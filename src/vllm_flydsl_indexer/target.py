@@ -71,23 +71,25 @@ class Call(NamedTuple):
     dcp_world_size: int
 
     def key(self) -> tuple:
-        """Everything the memoised rules read: shapes, dtypes, q's contiguity and the Python arguments."""
+        """Everything the memoised rules read: shapes, dtypes, contiguity and the Python arguments."""
+        q, kv, weights, lens, tables, max_model_len, compress_ratio, caller, dcp = self
         return (
-            self.q_fp8.shape,
-            self.kv_cache.shape,
-            self.weights.shape,
-            self.context_lens.shape,
-            self.block_tables.shape,
-            self.q_fp8.dtype,
-            self.kv_cache.dtype,
-            self.weights.dtype,
-            self.context_lens.dtype,
-            self.block_tables.dtype,
-            self.q_fp8.is_contiguous(),
-            self.max_model_len,
-            self.compress_ratio,
-            self.caller,
-            self.dcp_world_size,
+            q.shape,
+            kv.shape,
+            weights.shape,
+            lens.shape,
+            tables.shape,
+            q.dtype,
+            kv.dtype,
+            weights.dtype,
+            lens.dtype,
+            tables.dtype,
+            q.is_contiguous(),
+            kv.is_contiguous(),
+            max_model_len,
+            compress_ratio,
+            caller,
+            dcp,
         )
 
 
