@@ -81,7 +81,7 @@ def _register(logger: logging.Logger) -> None:
             verifier = make_verifier()
         assert decision.target_module is not None and decision.variant is not None
         table = None
-        if decision.variant.name != "dispatcher":  # the dispatcher has its own table
+        if not decision.variant.own_table:
             from vllm_flydsl_indexer import tuning
 
             table = tuning.load(tuning.env_source(), tuning.arch_of(decision.gcn_arch or ""), logger)

@@ -234,6 +234,9 @@ class KernelVariant:
     description: str
     # Workgroups per CU of the explicit SplitKV every launch passes; ``None``: SplitKV not passed.
     split_kv_workgroups_per_cu: int | None = None
+    # Picks Gluon or FlyDSL itself from aiter's own tuned table (the dispatcher): the plugin's
+    # table is not used, and Gluon's -inf past the read windows may be written.
+    own_table: bool = False
 
     def violation(
         self,
@@ -561,7 +564,9 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
         return params
     if "Preshuffle" not in params or "KVBlockSize" not in params:
         return f"{DISPATCHER_NAME} lacks Preshuffle/KVBlockSize"
-    return KernelVariant("dispatcher", fn, location, Limits(), "aiter's tuned Gluon/FlyDSL dispatcher")
+    return KernelVariant(
+        "dispatcher", fn, location, Limits(), "aiter's tuned Gluon/FlyDSL dispatcher", own_table=True
+    )
 
 
 def identify(fn: Callable, module: ModuleType | None) -> KernelVariant | str:

@@ -72,6 +72,7 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
     takes = {(m, b, n) for m, _, _, b, n in variant.eligible_configs()}
     return {
         "variant": variant.name,
+        "own_table": variant.own_table,
         "description": variant.description,
         "location": variant.location,
         "shapes": [
@@ -92,7 +93,7 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
 
 def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> dict[str, Any]:
     """The tuned table the plugin would use here, and what it picks."""
-    if decision.variant is not None and decision.variant.name == "dispatcher":
+    if decision.variant is not None and decision.variant.own_table:
         return {"source": None, "note": "aiter's dispatcher decides with its own tuned table"}
     env = os.environ if environ is None else environ
     source = tuning.table_source(env.get(envs.TUNED_CSV) or None)
@@ -215,7 +216,7 @@ def render(data: dict[str, Any]) -> str:
         for shape in kernel["shapes"]:
             label = f"{shape['model']} {shape['heads']}x{shape['head_dim']}"
             arm = "FlyDSL" if shape["flydsl"] else "stock (outside this kernel's contract)"
-            if shape["flydsl"] and kernel["variant"] == "dispatcher":
+            if shape["flydsl"] and kernel["own_table"]:
                 arm = "aiter's dispatcher (its tuned table picks Gluon or FlyDSL)"
             if shape["flydsl"] and shape["next_n"] > 1:
                 arm += " from audited callers"
