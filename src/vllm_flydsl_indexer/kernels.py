@@ -170,7 +170,7 @@ def common_violation(
 ) -> str | None:
     """Why the call breaks what every FlyDSL API takes, or ``None``.
 
-    Contiguity of the cache is checked per call by the router, not here.
+    The cache's contiguity is :func:`contiguity_rule`'s (part of the router's memo key).
     """
     if q_fp8.dim() != 4:
         return f"q_fp8 is {q_fp8.dim()}-D, not (B, next_n, H, D)"

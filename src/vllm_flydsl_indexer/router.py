@@ -11,9 +11,9 @@ host sync and is the same during CUDA/HIP graph capture as outside it.
 The router only composes :data:`RULES`, an ordered list in which each rule
 lives in its own module and returns ``None`` or a short reason; the first
 reason is what the log says (once) for the stock path. ``live`` rules run on
-every call (they read what a memoised verdict cannot: vLLM's module state and
-the cache's strides); the others are memoised on the call's signature
-(:meth:`Call.key`). After the rules, two guards that depend on the router's
+every call (they read what a memoised verdict cannot: vLLM's module state);
+the others are memoised on the call's signature (:meth:`Call.key`, which
+includes the cache's contiguity). After the rules, two guards that depend on the router's
 own history: **no first-time compile inside graph capture**, and **a
 configuration whose kernel raised stays stock**. Any exception from the FlyDSL
 launch returns stock's answer for that call, logs one ERROR, and sends that
