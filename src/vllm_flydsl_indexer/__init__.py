@@ -42,7 +42,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_flydsl_indexer._logging import get_logger
+    from vllm_flydsl_indexer._logging import STOCK_LINE, get_logger
 
     logger = get_logger()
     try:
@@ -50,8 +50,8 @@ def register() -> None:
         _register(logger)
     except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
         logger.warning(
-            "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: "
-            "unexpected %s during registration: %s)",
+            "%s unexpected %s during registration: %s)",
+            STOCK_LINE,
             type(e).__name__,
             e,
         )
@@ -59,13 +59,14 @@ def register() -> None:
 
 def _register(logger: logging.Logger) -> None:
     from vllm_flydsl_indexer import envs
+    from vllm_flydsl_indexer._logging import STOCK_LINE
 
     switch = envs.read_flag(envs.SWITCH)
     if not switch.enabled:
         # Off: import nothing more and patch nothing.
         reason = envs.off_reason(switch)
         level = logging.WARNING if switch.error else logging.INFO
-        logger.log(level, "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: %s)", reason)
+        logger.log(level, "%s %s)", STOCK_LINE, reason)
         return
 
     from vllm_flydsl_indexer import gates

@@ -8,6 +8,15 @@ import logging
 # Under the "vllm" logger so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.
 LOGGER_NAME = "vllm.plugins.flydsl_indexer"
 
+# The heads of the lines an operator greps for; examples/_common.sh greps the
+# same text and tests/test_examples.py holds it to these.
+HEAD = "vllm-flydsl-indexer:"
+ACTIVE_LINE = f"{HEAD} FlyDSL paged MQA logits ACTIVE"
+STOCK_LINE = f"{HEAD} stock paged MQA logits (FlyDSL inactive:"
+STOCK_CALL_LINE = f"{HEAD} stock path for this call:"
+TABLE_IGNORED_LINE = f"{HEAD} tuned table ignored:"
+DISAGREE_LINE = "paged MQA logits DISAGREE"
+
 _seen: set[tuple[int, str]] = set()
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from vllm_flydsl_indexer import envs
+from vllm_flydsl_indexer._logging import ACTIVE_LINE, STOCK_LINE
 from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
 
@@ -48,13 +49,12 @@ class Decision:
     def log_line(self) -> str:
         if self.active:
             return (
-                "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE "
-                f"({self.variant.location if self.variant else '?'}, "
+                f"{ACTIVE_LINE} ({self.variant.location if self.variant else '?'}, "
                 f"{self.variant.description if self.variant else '?'}, replaces "
                 f"{TARGET_MODULE}.{TARGET_NAME} for eligible decode calls"
                 f"{'; verify-on-enable on' if self.verify else ''})"
             )
-        return f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {self.reason})"
+        return f"{STOCK_LINE} {self.reason})"
 
 
 def parse_version(text: str) -> tuple[int, int] | None:

@@ -30,7 +30,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_flydsl_indexer import callers, kernels, stock, tuning
-from vllm_flydsl_indexer._logging import log_once
+from vllm_flydsl_indexer._logging import DISAGREE_LINE, STOCK_CALL_LINE, log_once
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
 from vllm_flydsl_indexer.stock import StockHooks
 from vllm_flydsl_indexer.target import Call, RouterView
@@ -165,7 +165,7 @@ class FlyDSLRouter:
         self, reason: str, args: tuple, compress_ratio: int, level: int = logging.INFO
     ) -> torch.Tensor:
         self.calls_delegated += 1
-        log_once(self.logger, level, "vllm-flydsl-indexer: stock path for this call: %s", reason)
+        log_once(self.logger, level, "%s %s", STOCK_CALL_LINE, reason)
         return self.original(*args, compress_ratio=compress_ratio)
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
@@ -313,8 +313,9 @@ class FlyDSLRouter:
             return out
         self.disabled_reason = f"verify-on-enable canary failed earlier ({problem})"
         self.logger.error(
-            "vllm-flydsl-indexer: FlyDSL and stock paged MQA logits DISAGREE on the "
-            "first eligible call: %s. This process now uses the stock path for good.",
+            "vllm-flydsl-indexer: FlyDSL and stock %s on the first eligible call: %s. "
+            "This process now uses the stock path for good.",
+            DISAGREE_LINE,
             problem,
         )
         out.copy_(stock)

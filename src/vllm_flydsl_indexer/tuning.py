@@ -36,6 +36,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.kernels import cu_count
 from vllm_flydsl_indexer.target import Call, RouterView
 
@@ -189,7 +190,8 @@ def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | N
             return parse(f, source, gfx)
     except (OSError, UnicodeDecodeError, csv.Error, TableError) as e:
         logger.warning(
-            "vllm-flydsl-indexer: tuned table ignored: %s",
+            "%s %s",
+            TABLE_IGNORED_LINE,
             e if isinstance(e, TableError) else f"{source}: {e}",
         )
         return None
@@ -235,8 +237,8 @@ def _choice(call: Call, router: RouterView) -> tuple[str, int, int] | None:
     cus = cu_count(call.q_fp8.device)
     if cus not in table.cu_counts():
         router.logger.warning(
-            "vllm-flydsl-indexer: tuned table ignored: %s has %s rows for CU count(s) %s, none for this "
-            "GPU's %d CUs",
+            "%s %s has %s rows for CU count(s) %s, none for this GPU's %d CUs",
+            TABLE_IGNORED_LINE,
             table.source,
             table.gfx,
             sorted(table.cu_counts()),
