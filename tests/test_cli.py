@@ -527,12 +527,6 @@ def test_console_bad_input_exits_2_with_one_line_and_no_traceback(argv):
     assert f"argument {argv[1]}:" in proc.stderr
 
 
-def test_check_models_named_by_the_parser_are_checks_models():
-    from vllm_flydsl_indexer.tools import check, cli_args
-
-    assert cli_args.CHECK_MODELS == tuple(check.MODELS)
-
-
 # ---------------------------------------------------------------- fast --help
 
 

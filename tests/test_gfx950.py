@@ -73,13 +73,14 @@ from vllm.v1.worker.workspace import init_workspace_manager, current_workspace_m
 from vllm_flydsl_indexer import patch
 from vllm_flydsl_indexer.callers import call_site_in
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.tools.models import eligible_configs
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 installed = patch.installed()
 assert installed is not None, "plugin not active"
 init_workspace_manager(torch.device("cuda"))
 site = call_site_in(t)  # the defining module's own indexer call site
-takes = {(h, d, b, n) for _, h, d, b, n in installed.router.variant.eligible_configs()}
+takes = {(h, d, b, n) for _, h, d, b, n in eligible_configs(installed.router.variant)}
 for heads in (64, 32):
     for next_n in (1, 2):
         p = make_paged_problem(

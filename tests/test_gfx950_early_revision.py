@@ -21,13 +21,13 @@ from test_kernel_variants import SYNC_OPS, SyncAudit
 from vllm_flydsl_indexer import envs, kernels, patch
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
+from vllm_flydsl_indexer.tools.models import HEADS, eligible_configs
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 EARLY_MODULE = "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early"
 LATER_MODULE = "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950"
 DEEPSEEK_V41_SITE = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
 GLM5NEXT_KPOOL_SITE = "vllm.models.glm5next.amd.sparse_indexer"
-MODELS = {"DeepSeek-V3.2": 64, "GLM-5.x": 32}
 
 
 def early_variant() -> kernels.KernelVariant:
@@ -47,11 +47,11 @@ def test_the_earlier_revision_is_identified_with_its_own_limits():
     assert limits.heads == {32, 64} and limits.head_dims == {128} and limits.block_sizes == {64}
     assert limits.index_dim == 132 and limits.max_next_n == 2
     assert limits.preshuffle_required and limits.q_contiguous
-    assert {(m, h, b, n) for m, h, _, b, n in variant.eligible_configs()} == {
+    assert {(m, h, b, n) for m, h, _, b, n in eligible_configs(variant)} == {
         ("DeepSeek-V3.2", 64, 64, 1),
         ("DeepSeek-V3.2", 64, 64, 2),
-        ("GLM-5.x / DeepSeek-V4.1", 32, 64, 1),
-        ("GLM-5.x / DeepSeek-V4.1", 32, 64, 2),
+        ("GLM-5.x/DSV4.1", 32, 64, 1),
+        ("GLM-5.x/DSV4.1", 32, 64, 2),
     }
     # Every other shape names its reason.
     assert "KVBlockSize=16 is not one of [64]" in limits.violation(64, 128, 16, 132, 1)
@@ -215,7 +215,7 @@ def test_deepseek_v32_and_glm5_take_flydsl_at_kvb64_and_every_read_column_equals
 ):
     site = call_site_in(call_site_or_skip(caller))
     seed = 0
-    for model, heads in MODELS.items():
+    for heads in HEADS:
         for kvb in (64, 16, 1):
             for next_n in (1, 2):  # plain decode, and native MTP (a (B, 2) table)
                 seed += 1
@@ -225,7 +225,7 @@ def test_deepseek_v32_and_glm5_take_flydsl_at_kvb64_and_every_read_column_equals
                 stock, out = _stock_then_patched(
                     early_installed, site, target, p.call_args(), rows, p.max_model_len
                 )
-                shape = (model, heads, kvb, next_n)
+                shape = (heads, kvb, next_n)
                 arms = [a for a, _ in aiter_calls]
                 assert arms == ["gluon", "flydsl-gfx950-early" if kvb == 64 else "gluon"], shape
                 result = compare_in_windows(
@@ -299,6 +299,6 @@ def test_doctor_shows_flydsl_active_and_the_shapes_this_revision_takes(aiter_as)
     assert "kernel:   gfx950-early: gfx950-specialised FlyDSL kernel, earlier revision" in text
     assert "DeepSeek-V3.2 64x128              64   1       FlyDSL" in text
     assert "DeepSeek-V3.2 64x128              64   2       FlyDSL from audited callers" in text
-    assert "GLM-5.x / DeepSeek-V4.1 32x128    64   2       FlyDSL from audited callers" in text
+    assert "GLM-5.x/DSV4.1 32x128             64   2       FlyDSL from audited callers" in text
     assert "DeepSeek-V3.2 64x128              1    1       stock (outside this kernel's contract)" in text
     assert "arm:      FlyDSL" in text

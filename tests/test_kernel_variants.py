@@ -26,6 +26,7 @@ from vllm_flydsl_indexer import envs, kernels, patch
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.tools.models import eligible_configs
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")
@@ -58,7 +59,7 @@ def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
     monkeypatch.setattr(module, "MAX_NN", 2)
     early = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert early.limits.heads == {32, 64} and early.limits.max_next_n == 2
-    assert {(h, b, n) for _, h, _, b, n in early.eligible_configs()} == {
+    assert {(h, b, n) for _, h, _, b, n in eligible_configs(early)} == {
         (64, 64, 1),
         (64, 64, 2),
         (32, 64, 1),

@@ -46,7 +46,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_flydsl_indexer.kernels import MODEL_SHAPES, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
+from vllm_flydsl_indexer.tools.models import MODEL_SHAPES, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
 
 CHECKOUT_ENV = "VLLM_FLYDSL_INDEXER_AITER_CHECKOUT"
 LD_LLD_ENV = "VLLM_FLYDSL_INDEXER_LD_LLD"
@@ -72,8 +72,8 @@ pytestmark = [
 ]
 
 CONFIGS = [
-    (model, heads, head_dim, block_size, next_n)
-    for model, (heads, head_dim) in MODEL_SHAPES.items()
+    (m.label, m.heads, m.head_dim, block_size, next_n)
+    for m in MODEL_SHAPES
     for block_size in REPORT_BLOCK_SIZES
     for next_n in REPORT_NEXT_NS
 ]

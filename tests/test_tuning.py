@@ -145,7 +145,7 @@ def test_rows_above_next_n_2_never_decide_vllms_calls(target, tuned, aiter_calls
         (table_text(row(), row(batch="x")), "line 3: invalid literal"),
         (table_text(row(), row(backend="triton")), "line 3: backend 'triton' is not flydsl or gluon"),
         (table_text(row(batch=0)), "line 2: sizes must be positive"),
-        (table_text(row().replace(",1,4096,", ",maybe,4096,")), "line 2: 'maybe' is not 0/1/true/false"),
+        (table_text(row().replace(",1,4096,", ",maybe,4096,")), "line 2: 'maybe' is not 1/0/true/false"),
         (HEADER + "\n", "no rows"),
         (table_text(row(gfx="gfx942")), "no rows for gfx950 (of 1)"),
     ],

@@ -21,7 +21,13 @@ ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY, TUNED_CSV)
 ACCEPTED = ("1", "0", "true", "false")
 
 _TRUE = {"1", "true"}
-_FALSE = {"0", "false", ""}
+_FALSE = {"0", "false"}
+
+
+def parse_bool(text: str) -> bool | None:
+    """``1``/``true`` -> True, ``0``/``false`` -> False (case-insensitive, trimmed), else ``None``."""
+    value = text.strip().lower()
+    return True if value in _TRUE else False if value in _FALSE else None
 
 
 @dataclass(frozen=True)
@@ -42,11 +48,9 @@ def read_flag(name: str, environ: dict[str, str] | None = None) -> Flag:
     """
     env = os.environ if environ is None else environ
     raw = env.get(name)
-    value = (raw or "").strip().lower()
-    if value in _TRUE:
-        return Flag(name, raw, True)
-    if value in _FALSE:
-        return Flag(name, raw, False)
+    value = parse_bool(raw) if raw and raw.strip() else False
+    if value is not None:
+        return Flag(name, raw, value)
     return Flag(
         name,
         raw,

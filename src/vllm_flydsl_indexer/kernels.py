@@ -55,7 +55,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_flydsl_indexer.target import Call, RouterView
+from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES, Call, RouterView
 
 # vLLM's KV cache layouts with the block dimension outside the layer dimension
 # (vllm/v1/kv_cache_layout.py; tests/test_drift.py pins them).
@@ -79,8 +79,6 @@ DISPATCHER_MODULE = "aiter.paged_mqa_logits"
 DISPATCHER_NAME = "paged_mqa_logits"
 DISPATCHER_CONFIG_NAME = "get_paged_mqa_logits_config"
 
-I32_OFFSET_LIMIT = 2**31
-SCALE_BYTES = 4
 PRESHUFFLE_ALIGN = 16
 MIN_HEAD_MULTIPLE = 32
 MIN_HEAD_DIM_MULTIPLE = 64
@@ -89,15 +87,6 @@ WORKGROUPS_PER_CU = 3
 # The earlier gfx950 kernel's own automatic SplitKV: ``total_cu * 4 * 2``
 # one-wave workgroups, capped by the pages of ``max_model_len``.
 GFX950_EARLY_WORKGROUPS_PER_CU = 8
-
-# The indexer shapes of the models that reach the call, for reports:
-# label -> (heads, head_dim).
-MODEL_SHAPES = {
-    "DeepSeek-V3.2": (64, 128),
-    "GLM-5.x / DeepSeek-V4.1": (32, 128),
-}
-REPORT_BLOCK_SIZES = (64, 1)
-REPORT_NEXT_NS = (1, 2)
 
 
 def _is_pow2(n: int) -> bool:
@@ -258,6 +247,11 @@ class KernelVariant:
             return f"q_fp8 is not contiguous ({self.name} FlyDSL kernel)"
         return None
 
+    def takes_shape(self, heads: int, head_dim: int, block_size: int, next_n: int) -> bool:
+        """Whether this API's limits take vLLM's cache at this shape (for reports)."""
+        index_dim = self.limits.index_dim or head_dim + SCALE_BYTES
+        return self.limits.violation(heads, head_dim, block_size, index_dim, next_n) is None
+
     @staticmethod
     def preshuffle(block_size: int) -> bool:
         """The ``Preshuffle`` this package launches a ``block_size`` cache with: vLLM's ROCm layout rule."""
@@ -298,15 +292,6 @@ class KernelVariant:
             q_fp8, kv_cache, weights, out_logits, per_sequence_lens, block_tables, max_model_len, **kwargs
         )
         return out_logits
-
-    def eligible_configs(self) -> Iterable[tuple[str, int, int, int, int]]:
-        """``(model, heads, head_dim, KVBlockSize, next_n)`` of the report shapes this API takes."""
-        for model, (heads, head_dim) in MODEL_SHAPES.items():
-            for block_size in REPORT_BLOCK_SIZES:
-                for next_n in REPORT_NEXT_NS:
-                    index_dim = self.limits.index_dim or head_dim + SCALE_BYTES
-                    if self.limits.violation(heads, head_dim, block_size, index_dim, next_n) is None:
-                        yield model, heads, head_dim, block_size, next_n
 
 
 def _parameters(fn: Callable) -> dict[str, inspect.Parameter] | str:

@@ -3,7 +3,9 @@
 
 Written once here; the gates check the signature, the patch replaces the
 function, the call-site audit names the defining module, and the tools call
-the original through :func:`unpatched`.
+the original through :func:`unpatched`. So are the two byte facts about the
+call's cache that the kernels' contracts and the tools' size limits share.
+No torch at import: the CLI's parser reads this.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 TARGET_NAME = "rocm_fp8_paged_mqa_logits"
@@ -28,6 +31,11 @@ TARGET_POSITIONAL = (
     "max_model_len",
 )
 TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
+# vLLM's fp8 indexer cache: per token, head_dim fp8 bytes, then one float32 scale.
+SCALE_BYTES = 4
+# FlyDSL addresses the cache with i32 byte offsets: a pool must stay under this.
+I32_OFFSET_LIMIT = 2**31
+
 # Set on the patch's wrapper, so the original can always be found behind it.
 MARKER = "_vllm_flydsl_indexer"
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
+from vllm_flydsl_indexer.envs import ACCEPTED, parse_bool
 from vllm_flydsl_indexer.kernels import cu_count
 from vllm_flydsl_indexer.target import Call, RouterView
 
@@ -87,12 +88,10 @@ def _context_lens(text: str) -> list[int]:
 
 
 def _bool(text: str) -> bool:
-    value = text.strip().lower()
-    if value in ("1", "true"):
-        return True
-    if value in ("0", "false"):
-        return False
-    raise ValueError(f"{text!r} is not 0/1/true/false")
+    value = parse_bool(text)
+    if value is None:
+        raise ValueError(f"{text!r} is not {'/'.join(ACCEPTED)}")
+    return value
 
 
 @dataclass

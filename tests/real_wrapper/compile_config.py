@@ -208,6 +208,7 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     from vllm_flydsl_indexer import kernels
     from vllm_flydsl_indexer.router import KernelConfig
     from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call
+    from vllm_flydsl_indexer.tools.models import eligible_configs
     from vllm_flydsl_indexer.tools.reference import gluon_contract_reference, make_paged_problem
 
     kernels._device_cu_count = lambda device_type, index: MI355X_CUS
@@ -227,7 +228,7 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
         return real_fn(*args, **kwargs)
 
     variant = dataclasses.replace(variant, fn=recording)
-    result["eligible"] = [list(c) for c in variant.eligible_configs()]
+    result["eligible"] = [list(c) for c in eligible_configs(variant)]
     index_dim = variant.limits.index_dim or head_dim + kernels.SCALE_BYTES
     reason = variant.limits.violation(heads, head_dim, block_size, index_dim, next_n)
     if reason is not None:

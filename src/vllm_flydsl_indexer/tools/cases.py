@@ -26,16 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer.kernels import SCALE_BYTES, KernelVariant
-from vllm_flydsl_indexer.tools.cli_args import CHECK_BLOCKS
+from vllm_flydsl_indexer.kernels import KernelVariant
+from vllm_flydsl_indexer.target import SCALE_BYTES
+from vllm_flydsl_indexer.tools.cli_args import CHECK_BLOCKS, CHECK_BOUNDS_BLOCK
+from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, mtp_bounds
 
-# Indexer shapes of real models: name -> (heads, head_dim).
-MODELS = {
-    "deepseek-v3.2": (64, 128),
-    "glm-5": (32, 128),  # GLM-5.x and DeepSeek-V4.1
-}
-MODEL_LABELS = {"deepseek-v3.2": "DeepSeek-V3.2", "glm-5": "GLM-5.x/DSV4.1"}
 # (KVBlockSize, Preshuffle): vLLM's production layout, and the plain one.
 BLOCKS = CHECK_BLOCKS
 
@@ -108,8 +104,9 @@ def expected_arm(case: Case, variant: KernelVariant) -> tuple[str, str]:
 def model_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> list[Case]:
     return [
         Case(
-            f"{MODEL_LABELS[m]} KVB={bs} {'preshuffle' if bs > 1 else 'plain'} next_n={n}",
-            *MODELS[m],
+            f"{BY_NAME[m].label} KVB={bs} {'preshuffle' if bs > 1 else 'plain'} next_n={n}",
+            BY_NAME[m].heads,
+            BY_NAME[m].head_dim,
             bs,
             n,
             batch,
@@ -121,9 +118,9 @@ def model_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> l
     ]
 
 
-def bounds_cases(heads: int, head_dim: int, batch: int, context_len: int, mtp: int | None = 2) -> list[Case]:
+def bounds_cases(model: ModelShape, batch: int, context_len: int, mtp: int | None = 2) -> list[Case]:
     """Every bounds shape vLLM builds; those of MTP (``next_n > 1``) at ``next_n = mtp``, none if ``None``."""
-    base = Case("", heads, head_dim, 64, 1, batch, context_len, bounds="(B, 1)")
+    base = Case("", model.heads, model.head_dim, CHECK_BOUNDS_BLOCK, 1, batch, context_len, bounds="(B, 1)")
     n = mtp or 2  # the flattened case calls with next_n 1 whatever MTP's next_n was
 
     def case(label: str, **changes) -> Case:

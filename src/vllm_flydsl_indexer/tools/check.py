@@ -33,7 +33,6 @@ from vllm_flydsl_indexer.tools.arms import Arms, detect_arms
 from vllm_flydsl_indexer.tools.cases import (
     BLOCKS,
     CALLER_LABELS,
-    MODELS,
     Case,
     bounds_cases,
     build_problem,
@@ -41,11 +40,12 @@ from vllm_flydsl_indexer.tools.cases import (
     model_cases,
     mtp_next_n,
 )
+from vllm_flydsl_indexer.tools.models import BY_NAME
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import PagedProblem
 
-__all__ = ["MODELS", "main"]
+__all__ = ["main"]
 
 BOUNDS_CASE_MODEL = "glm-5"
 
@@ -85,14 +85,14 @@ def build_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> l
     """The model cases at each of ``next_ns``; the bounds cases of MTP at the largest above 1, if any."""
     cases = model_cases(models, block_sizes, next_ns, batch, context_len)
     shape_model = BOUNDS_CASE_MODEL if BOUNDS_CASE_MODEL in models else models[0]
-    return cases + bounds_cases(*MODELS[shape_model], batch, context_len, mtp_next_n(next_ns))
+    return cases + bounds_cases(BY_NAME[shape_model], batch, context_len, mtp_next_n(next_ns))
 
 
 def not_run_note(next_ns) -> str | None:
     """One line naming the bounds cases that ``next_ns`` leaves out, or ``None``."""
     if mtp_next_n(next_ns) is not None:
         return None
-    every = bounds_cases(*MODELS[BOUNDS_CASE_MODEL], 1, 2)
+    every = bounds_cases(BY_NAME[BOUNDS_CASE_MODEL], 1, 2)
     left_out = [c.label for c in every if c.next_n > 1]
     return (
         f"note: --next-n {','.join(map(str, next_ns))} asks for no MTP, so the {len(left_out)} bounds cases "
@@ -283,7 +283,7 @@ def main(args) -> int:
     context = args.context_len or context
     next_ns = args.next_n or cli_args.CHECK_NEXT_NS
     topk = args.topk or cli_args.DEFAULT_TOPK
-    models = list(MODELS) if args.model == "all" else [args.model]
+    models = list(BY_NAME) if args.model == "all" else [args.model]
     cases = build_cases(models, args.block_size or BLOCKS, next_ns, batch, context)
     arms = detect_arms(device, force_reference=args.reference)
     max_rows = max(c.batch * max(c.next_n, c.flattened) for c in cases)

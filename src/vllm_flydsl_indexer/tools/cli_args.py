@@ -23,9 +23,11 @@ import re
 import sys
 from typing import NoReturn
 
+from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT as I32_LIMIT
+from vllm_flydsl_indexer.target import SCALE_BYTES
+from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS
+
 PROG = "vllm-flydsl-indexer"
-# check's indexer shapes, by name; check.MODELS maps them to (heads, head_dim).
-CHECK_MODELS = ("deepseek-v3.2", "glm-5")
 # KVBlockSize > 1 means the preshuffled layout, which tiles the block by 16.
 BLOCK_ALIGN = 16
 # The names bench's --arms can pick (suffix [ref]: the calls over the reference contracts).
@@ -46,8 +48,6 @@ PLOT_HINT = "pip install matplotlib, or pip install -e '.[plot]' in the clone"
 # over it would be refused by the plugin), and the logits buffer (B*next_n rows
 # of context-length float32) is held to the same 2 GiB, so that the pure-torch
 # reference, which holds a few buffers of that size, stays allocatable.
-I32_LIMIT = 2**31
-SCALE_BYTES = 4  # one float32 scale per token after the fp8 key
 LOGIT_BYTES = 4
 LIMITS = "each case's KV pool and logits buffer must stay under 2 GiB (FlyDSL's i32 offsets)"
 
@@ -55,30 +55,27 @@ LIMITS = "each case's KV pool and logits buffer must stay under 2 GiB (FlyDSL's 
 CHECK_SIZES = {"cuda": (32, 32768), "cpu": (4, 2048)}
 CHECK_NEXT_NS = (1, 2)
 CHECK_BLOCKS = (64, 1)  # vLLM's production layout (preshuffled), and the plain one
-CHECK_HEAD_DIM = 128  # both models' indexer head_dim
 CHECK_BOUNDS_BLOCK = 64  # the bounds cases' KVBlockSize
 CHECK_SPARE_BLOCKS = 2  # reference.make_paged_problem's spare blocks
 DEFAULT_TOPK = 2048  # vLLM's index_topk
 
 # bench's grids (bench.py and tune.py use these).
 BENCH_GPU_GRID = dict(
-    heads=(64, 32),
+    heads=HEADS,
     block_size=(1, 64),
     next_n=(1, 2),
     batch=(1, 8, 32, 128),
     context_len=(4096, 32768, 131072),
 )
-BENCH_CPU_GRID = dict(heads=(64, 32), block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
+BENCH_CPU_GRID = dict(heads=HEADS, block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
 TUNE_GPU_GRID = dict(
-    heads=(64, 32),
+    heads=HEADS,
     block_size=(64, 1),
     next_n=(1, 2),
     batch=(1, 4, 16, 32, 64, 128, 256),
     context_len=(8192, 32768),
 )
-TUNE_REFERENCE_GRID = dict(
-    heads=(64, 32), block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,)
-)
+TUNE_REFERENCE_GRID = dict(heads=HEADS, block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,))
 # bench options that --tune does not use: refused together with it, never silently ignored.
 NOT_WITH_TUNE = {
     "csv_path": ("--csv", "--tune writes its table to OUT.csv; --json writes the tuned rows as JSON"),
@@ -204,9 +201,7 @@ def output_path(text: str) -> str:
 
 
 def add_check_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model", choices=[*CHECK_MODELS, "all"], default="all", help="indexer shape (default: all)"
-    )
+    p.add_argument("--model", choices=[*BY_NAME, "all"], default="all", help="indexer shape (default: all)")
     p.add_argument("--batch", type=positive_int, help="sequences per case (default: 32 on GPU, 4 on CPU)")
     p.add_argument(
         "--next-n",
@@ -233,8 +228,12 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heads", type=positive_int_list, help="comma list (default 64,32)")
-    p.add_argument("--head-dim", type=head_dim, default=128, help="a multiple of 16 (default 128)")
+    p.add_argument(
+        "--heads", type=positive_int_list, help=f"comma list (default {','.join(map(str, HEADS))})"
+    )
+    p.add_argument(
+        "--head-dim", type=head_dim, default=HEAD_DIM, help=f"a multiple of 16 (default {HEAD_DIM})"
+    )
     p.add_argument(
         "--block-size",
         type=block_size_list,
@@ -356,7 +355,7 @@ def _check_sizes_problem(args: argparse.Namespace) -> str | None:
 
     def fits(b: int, ctx: int, n: int) -> bool:
         # The largest case has B*n rows; the flattened and MTP bounds cases B*2 at least.
-        pool = max(kv_pool_bytes(b, ctx, bs, CHECK_HEAD_DIM, CHECK_SPARE_BLOCKS) for bs in blocks)
+        pool = max(kv_pool_bytes(b, ctx, bs, HEAD_DIM, CHECK_SPARE_BLOCKS) for bs in blocks)
         return pool < I32_LIMIT and b * max(n, 2) * ctx * LOGIT_BYTES < I32_LIMIT
 
     if not fits(batch.value, context.value, largest_n):

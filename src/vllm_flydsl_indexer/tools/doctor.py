@@ -20,10 +20,13 @@ from vllm_flydsl_indexer.kernels import (
     BLOCK_OUTER_LAYOUTS,
     BLOCK_OUTER_NOTE,
     LAYOUT_VARIABLE,
+    KernelVariant,
+)
+from vllm_flydsl_indexer.tools.models import (
     MODEL_SHAPES,
     REPORT_BLOCK_SIZES,
     REPORT_NEXT_NS,
-    KernelVariant,
+    eligible_configs,
 )
 
 NOT_INSTALLED = "not installed"
@@ -69,7 +72,7 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
     """The identified FlyDSL API and which model indexer shapes it would take."""
     if variant is None:
         return None
-    takes = {(m, b, n) for m, _, _, b, n in variant.eligible_configs()}
+    takes = {(m, b, n) for m, _, _, b, n in eligible_configs(variant)}
     return {
         "variant": variant.name,
         "own_table": variant.own_table,
@@ -77,14 +80,14 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
         "location": variant.location,
         "shapes": [
             {
-                "model": model,
-                "heads": heads,
-                "head_dim": head_dim,
+                "model": m.label,
+                "heads": m.heads,
+                "head_dim": m.head_dim,
                 "kv_block_size": block_size,
                 "next_n": next_n,
-                "flydsl": (model, block_size, next_n) in takes,
+                "flydsl": (m.label, block_size, next_n) in takes,
             }
-            for model, (heads, head_dim) in MODEL_SHAPES.items()
+            for m in MODEL_SHAPES
             for block_size in REPORT_BLOCK_SIZES
             for next_n in REPORT_NEXT_NS
         ],

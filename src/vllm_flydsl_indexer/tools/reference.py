@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from vllm_flydsl_indexer.target import SCALE_BYTES
+
 Contract = Literal["flydsl", "gluon"]
 
 FP8_E4M3FN_MAX = 448.0
@@ -33,7 +35,6 @@ FP8_E4M3FN_MAX = 448.0
 SCALE_FLOOR = 1e-4
 # Preshuffle tile edge (tokens x dims) of vLLM's ROCm indexer cache layout.
 SHUFFLE_TILE = 16
-SCALE_BYTES = 4
 
 
 def shuffled_offsets(block_size: int, head_dim: int, device=None) -> torch.Tensor:
@@ -354,6 +355,9 @@ def gluon_contract_reference(
 FLYDSL_KNOBS = frozenset({"ChunkK", "WavePerEU", "SplitKV", "TotalCuCount", "variant", "stream"})
 
 
+# The general kernel's limits below are its wrapper's own asserts, written here
+# apart from kernels.Limits on purpose: this reference is the witness that
+# check and the tests hold the router's rules to, so it must not share them.
 def _pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
 
@@ -377,7 +381,11 @@ def flydsl_contract_violation(
         return f"heads={heads}, head_dim={head_dim}: not powers of two multiple of 32 and 64"
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
         return f"kv_cache must be uint8 (blocks, KVB, 1, dim), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
-    if kv_cache.shape[1] != KVBlockSize or kv_cache.shape[2] != 1 or kv_cache.shape[3] < head_dim + 4:
+    if (
+        kv_cache.shape[1] != KVBlockSize
+        or kv_cache.shape[2] != 1
+        or kv_cache.shape[3] < head_dim + SCALE_BYTES
+    ):
         return (
             f"kv_cache shape {tuple(kv_cache.shape)} does not match KVBlockSize={KVBlockSize}, D={head_dim}"
         )
