@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -36,6 +35,8 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 RESULTS = EXAMPLES / "results"
+# Whole programs the tests run: the fakes of vllm/lm_eval/vllm-flydsl-indexer, vLLM's parsers.
+PROGRAMS = Path(__file__).resolve().parent / "example_programs"
 SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
 HELPERS = ("ab_table", "bench_table", "lm_eval_args")
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
@@ -77,56 +78,14 @@ def free_port() -> int:
 # --------------------------------------------------------------------------------------
 # vLLM's parsers, in a subprocess started with the module so its ~20 s import of vLLM
 # overlaps the other tests. vLLM's CLI swaps in the CPU platform for `vllm bench` on a
-# machine without a GPU; the checker does the same so argument defaults can be computed.
-
-VLLM_CHECKER = textwrap.dedent(
-    """
-    import json, sys
-    from vllm import platforms
-    from vllm.platforms.cpu import CpuPlatform
-    platforms.current_platform = CpuPlatform()
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    def check_serve(argv):
-        parser = FlexibleArgumentParser(prog="vllm")
-        sub = parser.add_subparsers(dest="subparser")
-        cmd = ServeSubcommand()
-        cmd.subparser_init(sub)
-        args = parser.parse_args(argv)
-        cmd.validate(args)
-        return {"model": args.model_tag, "host": args.host, "port": args.port,
-                "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed}
-
-    def check_bench(argv):
-        assert argv[:2] == ["bench", "serve"], argv
-        parser = FlexibleArgumentParser(prog="vllm bench serve")
-        add_cli_args(parser)
-        a = parser.parse_args(argv[2:])
-        keys = ("dataset_name", "random_input_len", "random_output_len", "max_concurrency",
-                "num_prompts", "seed", "save_result", "result_dir", "result_filename",
-                "ignore_eos", "temperature", "metadata", "base_url", "endpoint", "model")
-        return {k: getattr(a, k) for k in keys}
-
-    request = json.loads(sys.stdin.read())
-    out = {}
-    for kind, check in (("serve", check_serve), ("bench", check_bench)):
-        out[kind] = []
-        for argv in request.get(kind, []):
-            try:
-                out[kind].append({"ok": True, "values": check(argv)})
-            except BaseException as e:
-                out[kind].append({"ok": False, "error": f"{type(e).__name__}: {e}"})
-    print("RESULT " + json.dumps(out))
-    """
-)
+# machine without a GPU; the checker (example_programs/vllm_checker.py) does the same so
+# argument defaults can be computed.
 
 
 @pytest.fixture(scope="module")
 def vllm_checker() -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", VLLM_CHECKER],
+        [sys.executable, str(PROGRAMS / "vllm_checker.py")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -146,113 +105,7 @@ def vllm_check(proc: subprocess.Popen[str], request: dict[str, list[list[str]]])
 
 
 # --------------------------------------------------------------------------------------
-# Fakes of the programs the scripts call.
-
-FAKE = textwrap.dedent(
-    """
-    import http.server, json, os, subprocess, sys, time
-    from pathlib import Path
-
-    name = Path(sys.argv[0]).name
-    argv = sys.argv[1:]
-    samples = Path(os.environ["FAKE_SAMPLES"])
-
-    def record(**extra):
-        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
-        with open(os.environ["FAKE_RECORD"], "a") as f:
-            f.write(json.dumps({"prog": name, "argv": argv, "env": env, "pid": os.getpid(), **extra}) + "\\n")
-
-    def opt(flag):
-        return argv[argv.index(flag) + 1]
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-        def log_message(self, *args):
-            pass
-
-    def serve():
-        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        record(worker=worker.pid)
-        on = os.environ.get("VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS") == "1"
-        n_active = int(os.environ.get("FAKE_ACTIVE", "10")) if on else 0
-        for i in range(10):
-            line = os.environ["FAKE_ACTIVE_LINE"] if i < n_active else os.environ["FAKE_STOCK_LINE"]
-            print(f"(Worker_TP{i} pid={os.getpid()}) INFO [__init__.py:80] {line}", flush=True)
-        if on and os.environ.get("FAKE_TABLE_IGNORED") and os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV"):
-            ignored = "vllm-flydsl-indexer: tuned table ignored: no rows for this GPU's 304 CUs"
-            print(f"(Worker_TP0) WARNING {ignored}", flush=True)
-        time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY", "1.5")))
-        http.server.HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
-
-    def bench():
-        record()
-        meta = dict(kv.split("=", 1) for kv in argv[argv.index("--metadata") + 1:] if "=" in kv
-                    and not kv.startswith("--"))
-        recorded = samples / "sample_bench" / meta["arm"] / f"c{opt('--max-concurrency')}.json"
-        data = json.loads(recorded.read_text())
-        out = Path(opt("--result-dir"))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / opt("--result-filename")).write_text(json.dumps(data))
-
-    def lm_eval():
-        record()
-        if os.environ.get("FAKE_LM_EVAL_RC"):
-            sys.exit(int(os.environ["FAKE_LM_EVAL_RC"]))
-        out = Path(opt("--output_path"))
-        arm = "flydsl" if "/flydsl/" in f"{out}/" else "stock"
-        data = json.loads((samples / f"sample_{arm}.json").read_text())
-        tasks = opt("--tasks").split(",")
-        data["results"] = {t: v for t, v in data["results"].items() if t in tasks}
-        stamp = time.strftime("%Y-%m-%dT%H-%M-%S") + f".{time.time_ns() % 10**9:09d}"
-        target = out / "deepseek-ai__DeepSeek-V3.2-Exp" / f"results_{stamp}.json"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(data))
-
-    def tune():
-        # What `bench --tune` writes on a node: aiter-format rows for its GPU.
-        record()
-        from vllm_flydsl_indexer import tuning
-        if os.environ.get("FAKE_TUNE_RC"):
-            sys.exit(int(os.environ["FAKE_TUNE_RC"]))
-        gfx = os.environ.get("FAKE_TUNE_GFX", "gfx950")
-        with open(opt("--tune"), "w") as f:
-            f.write(",".join(tuning.COLUMNS) + "\\n")
-            for batch, backend in ((1, "gluon"), (64, "flydsl")):
-                f.write(f"{gfx},256,{batch},1,32,128,64,1,8192,{backend},256,2,2,10.0,10.0,9.0\\n")
-        print(f"bench --tune: wrote 2 rows (kernel timings) to {opt('--tune')}, kept 0 earlier rows")
-
-    def doctor():
-        # The real plugin's table parser, as `doctor` runs it on a gfx950 node.
-        record()
-        if "--json" not in argv:
-            print("fake doctor report")
-            sys.exit(int(os.environ.get("FAKE_DOCTOR_RC", "0")))
-        from vllm_flydsl_indexer import tuning
-        source = os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV")
-        try:
-            with open(source, newline="") as f:
-                table = tuning.parse(f, source, "gfx950")
-            report = {"source": source, "gfx": table.gfx, "rows": table.rows, "note": "in use"}
-        except (OSError, TypeError, tuning.TableError) as e:
-            report = {"source": source, "note": f"IGNORED: {e}"}
-        print(json.dumps({"tuned_table": report}))
-
-    if name == "vllm" and argv[:1] == ["serve"]:
-        serve()
-    elif name == "vllm" and argv[:2] == ["bench", "serve"]:
-        bench()
-    elif name == "lm_eval":
-        lm_eval()
-    elif name == "vllm-flydsl-indexer" and argv[:2] == ["bench", "--tune"]:
-        tune()
-    elif name == "vllm-flydsl-indexer" and argv[:1] == ["doctor"]:
-        doctor()
-    else:
-        sys.exit(f"fake {name}: unexpected arguments {argv}")
-    """
-)
+# Fakes of the programs the scripts call: example_programs/fake_cli.py, first on PATH.
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -279,9 +132,12 @@ class Sandbox:
         self.out = tmp / "out"
         bindir = tmp / "bin"
         bindir.mkdir()
+        # The fake runs under this interpreter (it imports the plugin): swap its #! line.
+        shebang, fake = (PROGRAMS / "fake_cli.py").read_text().split("\n", 1)
+        assert shebang.startswith("#!"), shebang
         for prog in ("vllm", "lm_eval", "vllm-flydsl-indexer"):
             path = bindir / prog
-            path.write_text(f"#!{sys.executable}\n{FAKE}")
+            path.write_text(f"#!{sys.executable}\n{fake}")
             path.chmod(0o755)
         self.env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and k != SWITCH}
         self.env.update(
