@@ -27,6 +27,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
+import tomllib
+
+from vllm_flydsl_indexer import _logging, envs
 
 if TYPE_CHECKING:
     from lm_eval.config.evaluate_config import EvaluatorConfig
@@ -39,14 +42,20 @@ RESULTS = EXAMPLES / "results"
 PROGRAMS = Path(__file__).resolve().parent / "example_programs"
 SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
 HELPERS = ("ab_table", "bench_table", "lm_eval_args")
-SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
-TUNED_VAR = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
-MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
-ACTIVE = "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE (aiter FlyDSL replaces stock)"
-STOCK = (
-    f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {SWITCH} is not set (1/true enables it))"
+# The plugin's names, written once in the plugin (and, for the shell, once in _common.sh:
+# test_common_sh_repeats_the_plugins_names holds the two together).
+SWITCH = envs.SWITCH
+TUNED_VAR = envs.TUNED_CSV
+# The name VLLM_PLUGINS selects the plugin by: pyproject's vLLM entry point to register().
+ENTRY_POINTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+(PLUGIN_NAME,) = (
+    n for n, t in ENTRY_POINTS["vllm.general_plugins"].items() if t == "vllm_flydsl_indexer:register"
 )
-DISAGREE = "vllm-flydsl-indexer: FlyDSL and stock paged MQA logits DISAGREE on the first eligible call: x"
+MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
+# Whole lines as the plugin logs them, which the fake server prints: its heads, then the rest.
+ACTIVE = f"{_logging.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
+STOCK = f"{_logging.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
+DISAGREE = f"{_logging.HEAD} FlyDSL and stock {_logging.DISAGREE_LINE} on the first eligible call: x"
 
 
 @cache
@@ -593,7 +602,7 @@ def test_serve_tp8_fails_and_cleans_up_when_too_few_workers_are_active(tmp_path:
     [
         (["--arm", "gluon"], {}, "unknown arm"),
         (["--bogus"], {}, "unknown argument"),
-        ([], {"VLLM_PLUGINS": "some_other_plugin"}, "does not include flydsl_indexer"),
+        ([], {"VLLM_PLUGINS": "some_other_plugin"}, f"does not include {PLUGIN_NAME}"),
     ],
 )
 def test_serve_tp8_rejects_bad_setup_before_starting(tmp_path: Path, args, env, message) -> None:
@@ -623,6 +632,38 @@ def common(snippet: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "-c", script], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
     )
+
+
+# What _common.sh repeats from the plugin, by its shell name: shell cannot import the plugin.
+COMMON_SH_COPIES = {
+    "ACTIVE_LINE": _logging.ACTIVE_LINE,
+    "STOCK_LINE": _logging.STOCK_LINE,
+    "STOCK_CALL_LINE": _logging.STOCK_CALL_LINE,
+    "TABLE_IGNORED_LINE": _logging.TABLE_IGNORED_LINE,
+    "DISAGREE_LINE": _logging.DISAGREE_LINE,
+    "FLYDSL_SWITCH": envs.SWITCH,
+    "TUNED_CSV_VAR": envs.TUNED_CSV,
+    "PLUGIN_NAME": PLUGIN_NAME,
+}
+
+
+def test_common_sh_repeats_the_plugins_names() -> None:
+    """_common.sh's log-line heads and variable names are the plugin's, character for character."""
+    dump = 'source "$1"; for v in $(compgen -v); do printf "%s\\0%s\\0" "$v" "${!v}"; done'
+    proc = subprocess.run(
+        ["bash", "-c", dump, "bash", str(EXAMPLES / "_common.sh")],
+        env={"PATH": os.environ["PATH"]},  # no inherited *_LINE variable
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    fields = proc.stdout.split("\0")[:-1]
+    defined = dict(zip(fields[::2], fields[1::2], strict=True))
+    assert {name: defined.get(name) for name in COMMON_SH_COPIES} == COMMON_SH_COPIES
+    # Every line head the scripts grep for is one the plugin writes.
+    heads = {name for name in defined if name.endswith("_LINE")}
+    assert heads == {name for name in COMMON_SH_COPIES if name.endswith("_LINE")}
 
 
 @pytest.mark.parametrize(

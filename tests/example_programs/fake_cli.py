@@ -16,6 +16,11 @@ import sys
 import time
 from pathlib import Path
 
+# The plugin's own names: the scripts must set the variables the plugin reads, and grep
+# the heads of the lines it logs.
+from vllm_flydsl_indexer import envs
+from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
+
 name = Path(sys.argv[0]).name
 argv = sys.argv[1:]
 samples = Path(os.environ["FAKE_SAMPLES"])
@@ -43,13 +48,13 @@ class Health(http.server.BaseHTTPRequestHandler):
 def serve():
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     record(worker=worker.pid)
-    on = os.environ.get("VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS") == "1"
+    on = os.environ.get(envs.SWITCH) == "1"
     n_active = int(os.environ.get("FAKE_ACTIVE", "10")) if on else 0
     for i in range(10):
         line = os.environ["FAKE_ACTIVE_LINE"] if i < n_active else os.environ["FAKE_STOCK_LINE"]
         print(f"(Worker_TP{i} pid={os.getpid()}) INFO [__init__.py:80] {line}", flush=True)
-    if on and os.environ.get("FAKE_TABLE_IGNORED") and os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV"):
-        ignored = "vllm-flydsl-indexer: tuned table ignored: no rows for this GPU's 304 CUs"
+    if on and os.environ.get("FAKE_TABLE_IGNORED") and os.environ.get(envs.TUNED_CSV):
+        ignored = f"{TABLE_IGNORED_LINE} no rows for this GPU's 304 CUs"
         print(f"(Worker_TP0) WARNING {ignored}", flush=True)
     time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY", "1.5")))
     http.server.HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
@@ -107,7 +112,7 @@ def doctor():
         sys.exit(int(os.environ.get("FAKE_DOCTOR_RC", "0")))
     from vllm_flydsl_indexer import tuning
 
-    source = os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV")
+    source = os.environ.get(envs.TUNED_CSV)
     try:
         with open(source, newline="") as f:
             table = tuning.parse(f, source, "gfx950")
