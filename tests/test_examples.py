@@ -19,7 +19,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from collections.abc import Iterator
 from functools import cache
@@ -28,6 +27,9 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
+import tomllib
+
+from vllm_flydsl_indexer import _logging, envs
 
 if TYPE_CHECKING:
     from lm_eval.config.evaluate_config import EvaluatorConfig
@@ -36,16 +38,24 @@ if TYPE_CHECKING:
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 RESULTS = EXAMPLES / "results"
+# Whole programs the tests run: the fakes of vllm/lm_eval/vllm-flydsl-indexer, vLLM's parsers.
+PROGRAMS = Path(__file__).resolve().parent / "example_programs"
 SCRIPTS = sorted(EXAMPLES.glob("*.sh"))
 HELPERS = ("ab_table", "bench_table", "lm_eval_args")
-SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
-TUNED_VAR = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
-MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
-ACTIVE = "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE (aiter FlyDSL replaces stock)"
-STOCK = (
-    f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {SWITCH} is not set (1/true enables it))"
+# The plugin's names, written once in the plugin (and, for the shell, once in _common.sh:
+# test_common_sh_repeats_the_plugins_names holds the two together).
+SWITCH = envs.SWITCH
+TUNED_VAR = envs.TUNED_CSV
+# The name VLLM_PLUGINS selects the plugin by: pyproject's vLLM entry point to register().
+ENTRY_POINTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+(PLUGIN_NAME,) = (
+    n for n, t in ENTRY_POINTS["vllm.general_plugins"].items() if t == "vllm_flydsl_indexer:register"
 )
-DISAGREE = "vllm-flydsl-indexer: FlyDSL and stock paged MQA logits DISAGREE on the first eligible call: x"
+MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
+# Whole lines as the plugin logs them, which the fake server prints: its heads, then the rest.
+ACTIVE = f"{_logging.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
+STOCK = f"{_logging.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
+DISAGREE = f"{_logging.HEAD} FlyDSL and stock {_logging.DISAGREE_LINE} on the first eligible call: x"
 
 
 @cache
@@ -77,56 +87,14 @@ def free_port() -> int:
 # --------------------------------------------------------------------------------------
 # vLLM's parsers, in a subprocess started with the module so its ~20 s import of vLLM
 # overlaps the other tests. vLLM's CLI swaps in the CPU platform for `vllm bench` on a
-# machine without a GPU; the checker does the same so argument defaults can be computed.
-
-VLLM_CHECKER = textwrap.dedent(
-    """
-    import json, sys
-    from vllm import platforms
-    from vllm.platforms.cpu import CpuPlatform
-    platforms.current_platform = CpuPlatform()
-    from vllm.benchmarks.serve import add_cli_args
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    def check_serve(argv):
-        parser = FlexibleArgumentParser(prog="vllm")
-        sub = parser.add_subparsers(dest="subparser")
-        cmd = ServeSubcommand()
-        cmd.subparser_init(sub)
-        args = parser.parse_args(argv)
-        cmd.validate(args)
-        return {"model": args.model_tag, "host": args.host, "port": args.port,
-                "tensor_parallel_size": args.tensor_parallel_size, "seed": args.seed}
-
-    def check_bench(argv):
-        assert argv[:2] == ["bench", "serve"], argv
-        parser = FlexibleArgumentParser(prog="vllm bench serve")
-        add_cli_args(parser)
-        a = parser.parse_args(argv[2:])
-        keys = ("dataset_name", "random_input_len", "random_output_len", "max_concurrency",
-                "num_prompts", "seed", "save_result", "result_dir", "result_filename",
-                "ignore_eos", "temperature", "metadata", "base_url", "endpoint", "model")
-        return {k: getattr(a, k) for k in keys}
-
-    request = json.loads(sys.stdin.read())
-    out = {}
-    for kind, check in (("serve", check_serve), ("bench", check_bench)):
-        out[kind] = []
-        for argv in request.get(kind, []):
-            try:
-                out[kind].append({"ok": True, "values": check(argv)})
-            except BaseException as e:
-                out[kind].append({"ok": False, "error": f"{type(e).__name__}: {e}"})
-    print("RESULT " + json.dumps(out))
-    """
-)
+# machine without a GPU; the checker (example_programs/vllm_checker.py) does the same so
+# argument defaults can be computed.
 
 
 @pytest.fixture(scope="module")
 def vllm_checker() -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", VLLM_CHECKER],
+        [sys.executable, str(PROGRAMS / "vllm_checker.py")],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -146,113 +114,7 @@ def vllm_check(proc: subprocess.Popen[str], request: dict[str, list[list[str]]])
 
 
 # --------------------------------------------------------------------------------------
-# Fakes of the programs the scripts call.
-
-FAKE = textwrap.dedent(
-    """
-    import http.server, json, os, subprocess, sys, time
-    from pathlib import Path
-
-    name = Path(sys.argv[0]).name
-    argv = sys.argv[1:]
-    samples = Path(os.environ["FAKE_SAMPLES"])
-
-    def record(**extra):
-        env = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
-        with open(os.environ["FAKE_RECORD"], "a") as f:
-            f.write(json.dumps({"prog": name, "argv": argv, "env": env, "pid": os.getpid(), **extra}) + "\\n")
-
-    def opt(flag):
-        return argv[argv.index(flag) + 1]
-
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200 if self.path == "/health" else 404)
-            self.end_headers()
-        def log_message(self, *args):
-            pass
-
-    def serve():
-        worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        record(worker=worker.pid)
-        on = os.environ.get("VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS") == "1"
-        n_active = int(os.environ.get("FAKE_ACTIVE", "10")) if on else 0
-        for i in range(10):
-            line = os.environ["FAKE_ACTIVE_LINE"] if i < n_active else os.environ["FAKE_STOCK_LINE"]
-            print(f"(Worker_TP{i} pid={os.getpid()}) INFO [__init__.py:80] {line}", flush=True)
-        if on and os.environ.get("FAKE_TABLE_IGNORED") and os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV"):
-            ignored = "vllm-flydsl-indexer: tuned table ignored: no rows for this GPU's 304 CUs"
-            print(f"(Worker_TP0) WARNING {ignored}", flush=True)
-        time.sleep(float(os.environ.get("FAKE_HEALTH_DELAY", "1.5")))
-        http.server.HTTPServer((opt("--host"), int(opt("--port"))), Health).serve_forever()
-
-    def bench():
-        record()
-        meta = dict(kv.split("=", 1) for kv in argv[argv.index("--metadata") + 1:] if "=" in kv
-                    and not kv.startswith("--"))
-        recorded = samples / "sample_bench" / meta["arm"] / f"c{opt('--max-concurrency')}.json"
-        data = json.loads(recorded.read_text())
-        out = Path(opt("--result-dir"))
-        out.mkdir(parents=True, exist_ok=True)
-        (out / opt("--result-filename")).write_text(json.dumps(data))
-
-    def lm_eval():
-        record()
-        if os.environ.get("FAKE_LM_EVAL_RC"):
-            sys.exit(int(os.environ["FAKE_LM_EVAL_RC"]))
-        out = Path(opt("--output_path"))
-        arm = "flydsl" if "/flydsl/" in f"{out}/" else "stock"
-        data = json.loads((samples / f"sample_{arm}.json").read_text())
-        tasks = opt("--tasks").split(",")
-        data["results"] = {t: v for t, v in data["results"].items() if t in tasks}
-        stamp = time.strftime("%Y-%m-%dT%H-%M-%S") + f".{time.time_ns() % 10**9:09d}"
-        target = out / "deepseek-ai__DeepSeek-V3.2-Exp" / f"results_{stamp}.json"
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(data))
-
-    def tune():
-        # What `bench --tune` writes on a node: aiter-format rows for its GPU.
-        record()
-        from vllm_flydsl_indexer import tuning
-        if os.environ.get("FAKE_TUNE_RC"):
-            sys.exit(int(os.environ["FAKE_TUNE_RC"]))
-        gfx = os.environ.get("FAKE_TUNE_GFX", "gfx950")
-        with open(opt("--tune"), "w") as f:
-            f.write(",".join(tuning.COLUMNS) + "\\n")
-            for batch, backend in ((1, "gluon"), (64, "flydsl")):
-                f.write(f"{gfx},256,{batch},1,32,128,64,1,8192,{backend},256,2,2,10.0,10.0,9.0\\n")
-        print(f"bench --tune: wrote 2 rows (kernel timings) to {opt('--tune')}, kept 0 earlier rows")
-
-    def doctor():
-        # The real plugin's table parser, as `doctor` runs it on a gfx950 node.
-        record()
-        if "--json" not in argv:
-            print("fake doctor report")
-            sys.exit(int(os.environ.get("FAKE_DOCTOR_RC", "0")))
-        from vllm_flydsl_indexer import tuning
-        source = os.environ.get("VLLM_FLYDSL_INDEXER_TUNED_CSV")
-        try:
-            with open(source, newline="") as f:
-                table = tuning.parse(f, source, "gfx950")
-            report = {"source": source, "gfx": table.gfx, "rows": table.rows, "note": "in use"}
-        except (OSError, TypeError, tuning.TableError) as e:
-            report = {"source": source, "note": f"IGNORED: {e}"}
-        print(json.dumps({"tuned_table": report}))
-
-    if name == "vllm" and argv[:1] == ["serve"]:
-        serve()
-    elif name == "vllm" and argv[:2] == ["bench", "serve"]:
-        bench()
-    elif name == "lm_eval":
-        lm_eval()
-    elif name == "vllm-flydsl-indexer" and argv[:2] == ["bench", "--tune"]:
-        tune()
-    elif name == "vllm-flydsl-indexer" and argv[:1] == ["doctor"]:
-        doctor()
-    else:
-        sys.exit(f"fake {name}: unexpected arguments {argv}")
-    """
-)
+# Fakes of the programs the scripts call: example_programs/fake_cli.py, first on PATH.
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -279,9 +141,12 @@ class Sandbox:
         self.out = tmp / "out"
         bindir = tmp / "bin"
         bindir.mkdir()
+        # The fake runs under this interpreter (it imports the plugin): swap its #! line.
+        shebang, fake = (PROGRAMS / "fake_cli.py").read_text().split("\n", 1)
+        assert shebang.startswith("#!"), shebang
         for prog in ("vllm", "lm_eval", "vllm-flydsl-indexer"):
             path = bindir / prog
-            path.write_text(f"#!{sys.executable}\n{FAKE}")
+            path.write_text(f"#!{sys.executable}\n{fake}")
             path.chmod(0o755)
         self.env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and k != SWITCH}
         self.env.update(
@@ -737,7 +602,7 @@ def test_serve_tp8_fails_and_cleans_up_when_too_few_workers_are_active(tmp_path:
     [
         (["--arm", "gluon"], {}, "unknown arm"),
         (["--bogus"], {}, "unknown argument"),
-        ([], {"VLLM_PLUGINS": "some_other_plugin"}, "does not include flydsl_indexer"),
+        ([], {"VLLM_PLUGINS": "some_other_plugin"}, f"does not include {PLUGIN_NAME}"),
     ],
 )
 def test_serve_tp8_rejects_bad_setup_before_starting(tmp_path: Path, args, env, message) -> None:
@@ -767,6 +632,38 @@ def common(snippet: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", "-c", script], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
     )
+
+
+# What _common.sh repeats from the plugin, by its shell name: shell cannot import the plugin.
+COMMON_SH_COPIES = {
+    "ACTIVE_LINE": _logging.ACTIVE_LINE,
+    "STOCK_LINE": _logging.STOCK_LINE,
+    "STOCK_CALL_LINE": _logging.STOCK_CALL_LINE,
+    "TABLE_IGNORED_LINE": _logging.TABLE_IGNORED_LINE,
+    "DISAGREE_LINE": _logging.DISAGREE_LINE,
+    "FLYDSL_SWITCH": envs.SWITCH,
+    "TUNED_CSV_VAR": envs.TUNED_CSV,
+    "PLUGIN_NAME": PLUGIN_NAME,
+}
+
+
+def test_common_sh_repeats_the_plugins_names() -> None:
+    """_common.sh's log-line heads and variable names are the plugin's, character for character."""
+    dump = 'source "$1"; for v in $(compgen -v); do printf "%s\\0%s\\0" "$v" "${!v}"; done'
+    proc = subprocess.run(
+        ["bash", "-c", dump, "bash", str(EXAMPLES / "_common.sh")],
+        env={"PATH": os.environ["PATH"]},  # no inherited *_LINE variable
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    fields = proc.stdout.split("\0")[:-1]
+    defined = dict(zip(fields[::2], fields[1::2], strict=True))
+    assert {name: defined.get(name) for name in COMMON_SH_COPIES} == COMMON_SH_COPIES
+    # Every line head the scripts grep for is one the plugin writes.
+    heads = {name for name in defined if name.endswith("_LINE")}
+    assert heads == {name for name in COMMON_SH_COPIES if name.endswith("_LINE")}
 
 
 @pytest.mark.parametrize(
