@@ -38,7 +38,7 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
     assert "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits" in out
     assert calls, "vLLM's own function (and its workspace) was not used"
     rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    assert len(rows) == 22 and all(r.endswith("PASS") for r in rows)
+    assert len(rows) == 23 and all(r.endswith("PASS") for r in rows)
     arms = {r.split("  ")[0]: r for r in rows}
     # Both arms appear, and the rows the rules send to stock say so.
     assert sum(" FlyDSL    FlyDSL " in r for r in rows) == 14
@@ -46,13 +46,14 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
         "DSV4.1 C4A ratio 4 (block-flat)",
         "GLM-5-next kpool next_n=2",
+        "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
         "DCP 2 next_n=2 (simulated)",
         "strided cache (block-outer layout)",
         "first call during graph capture",
         "next_n=2 with (B, 1) bounds",
     ):
         assert " stock     stock " in arms[label], arms[label]
-    assert "22 passed, 0 failed" in out
+    assert "23 passed, 0 failed" in out
     # The session pointed vLLM's kernel lookups at the references, then restored them.
     assert (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton) == lookups
 
@@ -105,6 +106,16 @@ MUTATIONS = {
         "            compress_ratio,\n            caller,\n",
         "            caller,\n",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
+    ),
+    "memo key without the caller": (
+        "            caller,\n            dcp,\n",
+        "            dcp,\n",
+        "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
+    ),
+    "kpool caller trusted with next_n > 1": (
+        "multi_row=False,",
+        "multi_row=True,",
+        "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
 }
 RULE_MODULES = (router, target_module, callers, kernels, stock, tuning)
@@ -165,7 +176,7 @@ def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, 
     rc, out = run_check(capsys)
     assert rc == 0, out
     assert "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950" in out
-    assert "22 passed, 0 failed" in out
+    assert "23 passed, 0 failed" in out
 
 
 def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspace):
