@@ -13,7 +13,7 @@ earlier calls leave behind:
   Batch 2 takes FlyDSL, batch 3 stays stock, KVB 1 (not covered) takes FlyDSL.
 * **verify-on-enable canary, arms agree**: the canary runs once, on the first
   call, passes, and every call takes FlyDSL.
-* **verify-on-enable canary, FlyDSL wrong**: a FlyDSL arm that adds 1 to every
+* **verify-on-enable canary, FlyDSL wrong**: a FlyDSL arm that negates every
   value it writes. The canary catches it on the first call, which returns
   stock's answer; later calls, of any configuration, stay stock and launch nothing.
 * **FlyDSL kernel raises**: a kernel that raises from its second KVB-64 launch
@@ -145,7 +145,7 @@ class PlantedKernel:
             q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs
         )
         if self.fault == "wrong":
-            out.add_(1.0)
+            out.neg_()  # wrong under any tolerance: values, -inf masks and top-k sets all differ
         return result
 
 
