@@ -29,6 +29,8 @@ def run_check(capsys, argv=SMALL) -> tuple[int, str]:
 
 
 def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace, monkeypatch, capsys):
+    from vllm_flydsl_indexer.tools import behaviour
+
     calls = []
     lookups = (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton)
     original = target.current_workspace_manager
@@ -37,8 +39,9 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
     assert rc == 0, out
     assert "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits" in out
     assert calls, "vLLM's own function (and its workspace) was not used"
-    rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    assert len(rows) == 22 and all(r.endswith("PASS") for r in rows)
+    cases, behaviours = out.split(f"\n{behaviour.HEADER}\n")
+    rows = [line for line in cases.splitlines() if line.endswith(("PASS", "FAIL"))]
+    assert len(rows) == 23 and all(r.endswith("PASS") for r in rows)
     arms = {r.split("  ")[0]: r for r in rows}
     # Both arms appear, and the rows the rules send to stock say so.
     assert sum(" FlyDSL    FlyDSL " in r for r in rows) == 14
@@ -46,13 +49,19 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
         "DSV4.1 C4A ratio 4 (block-flat)",
         "GLM-5-next kpool next_n=2",
+        "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
         "DCP 2 next_n=2 (simulated)",
         "strided cache (block-outer layout)",
         "first call during graph capture",
         "next_n=2 with (B, 1) bounds",
     ):
         assert " stock     stock " in arms[label], arms[label]
-    assert "22 passed, 0 failed" in out
+    # The router-behaviour cases, each its own router on the reference contracts.
+    assert "always the reference contracts (pure torch), even where real kernels exist" in behaviour.HEADER
+    behaviour_rows = [line for line in behaviours.splitlines() if line.endswith(("PASS", "FAIL"))]
+    assert [r.split("  ")[0] for r in behaviour_rows] == [b.label for b in behaviour.BEHAVIOURS]
+    assert all(r.endswith("PASS") for r in behaviour_rows) and "FAIL" not in behaviours
+    assert "27 passed, 0 failed" in out
     # The session pointed vLLM's kernel lookups at the references, then restored them.
     assert (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton) == lookups
 
@@ -105,6 +114,42 @@ MUTATIONS = {
         "            compress_ratio,\n            caller,\n",
         "            caller,\n",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
+    ),
+    "memo key without the caller": (
+        "            caller,\n            dcp,\n",
+        "            dcp,\n",
+        "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
+    ),
+    "kpool caller trusted with next_n > 1": (
+        "multi_row=False,",
+        "multi_row=True,",
+        "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
+    ),
+    # The router-behaviour cases (tools/behaviour.py): each builds its own router.
+    "tuned table ignored": (
+        "def table_rule(call: Call, router: RouterView) -> str | None:\n",
+        "def table_rule(call: Call, router: RouterView) -> str | None:\n    return None\n",
+        "tuned table",
+    ),
+    "canary skipped": (
+        "if self.verifier is not None and not capturing:",
+        "if False:",
+        "verify-on-enable canary, arms agree",
+    ),
+    "canary disagreement ignored": (
+        "if problem is None:",
+        "if True:",
+        "verify-on-enable canary, FlyDSL wrong",
+    ),
+    "raising configuration not remembered as failed": (
+        "self.failed[config] = (",
+        "reason = (",
+        "FlyDSL kernel raises",
+    ),
+    "memoised routes kept after a raise": (
+        "self._routes.clear()  # every memoised route of this configuration now says stock",
+        "pass",
+        "FlyDSL kernel raises",
     ),
 }
 RULE_MODULES = (router, target_module, callers, kernels, stock, tuning)
@@ -165,7 +210,7 @@ def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, 
     rc, out = run_check(capsys)
     assert rc == 0, out
     assert "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950" in out
-    assert "22 passed, 0 failed" in out
+    assert "27 passed, 0 failed" in out
 
 
 def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspace):

@@ -125,8 +125,9 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
         "no-vllm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM unavailable",
     }[machine]
     assert stock in proc.stdout
-    assert "22 passed, 0 failed" in proc.stdout
-    assert proc.stdout.count("PASS") == 22
+    assert "27 passed, 0 failed" in proc.stdout
+    assert proc.stdout.count("PASS") == 27
+    assert "router behaviour: " in proc.stdout and "even where real kernels exist" in proc.stdout
     assert "check [" in proc.stderr  # progress bar
 
 
@@ -609,26 +610,27 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    assert len(rows) == 9 and all(r.endswith("PASS") for r in rows), out
+    # 9 cases, then the 4 router-behaviour cases (next_n 1 only).
+    assert len(rows) == 9 + 4 and all(r.endswith("PASS") for r in rows), out
     assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
     notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
-    assert len(notes) == 1 and "the 6 bounds cases of MTP (next_n > 1) were not run" in notes[0]
-    assert "9 passed, 0 failed" in out
+    assert len(notes) == 1 and "the 7 bounds cases of MTP (next_n > 1) were not run" in notes[0]
+    assert "13 passed, 0 failed" in out
 
 
 def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():
     from vllm_flydsl_indexer.tools.check import build_cases, not_run_note
 
     default = build_cases(["glm-5"], (64,), (1, 2), 2, 64)
-    assert len(default) == 16 and not_run_note((1, 2)) is None
+    assert len(default) == 17 and not_run_note((1, 2)) is None
     assert {c.next_n for c in default} == {1, 2}
     assert "DSV4.1 ratio 2 next_n=2 (same shapes)" in [c.label for c in default]
     only_one = build_cases(["glm-5"], (64,), (1,), 2, 64)
     assert {c.next_n for c in only_one} == {1} and len(only_one) == 9
     three = build_cases(["glm-5"], (64,), (1, 3), 2, 64)
-    assert {c.next_n for c in three} == {1, 3} and len(three) == 16
+    assert {c.next_n for c in three} == {1, 3} and len(three) == 17
     same = [c for c in three if c.same_shapes_as]
-    assert [c.same_shapes_as for c in same] == ["DSV4.1 ratio 1 next_n=3"]
+    assert [c.same_shapes_as for c in same] == ["DSV4.1 ratio 1 next_n=3"] * 2
     assert [c.flattened for c in three if c.kind == "flattened"] == [3]
 
 

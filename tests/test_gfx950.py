@@ -61,7 +61,7 @@ def test_check_real_kernels_agree():
         in proc.stdout
     )
     assert "(aiter's Gluon kernel)" in proc.stdout
-    assert "22 passed, 0 failed" in proc.stdout
+    assert "27 passed, 0 failed" in proc.stdout
 
 
 END_TO_END = r"""

@@ -77,14 +77,16 @@ def device_is_gfx950(device: torch.device) -> bool:
     return "gfx950" in torch.cuda.get_device_properties(device).gcnArchName
 
 
+REFERENCE_LABEL = "reference contracts (pure torch; NOT the real kernels)"
+
+
+def reference_arms() -> Arms:
+    """The pure-torch references of the two write contracts, as arms."""
+    return Arms(False, REFERENCE_LABEL, "", gluon_contract_reference, flydsl_contract_reference)
+
+
 def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
-    reference = Arms(
-        False,
-        "reference contracts (pure torch; NOT the real kernels)",
-        "",
-        gluon_contract_reference,
-        flydsl_contract_reference,
-    )
+    reference = reference_arms()
     if force_reference:
         reference.why = "--reference asked for"
         return reference

@@ -8,7 +8,8 @@ Two kinds of case:
 * **Bounds cases** (at the 32-head shape, KVBlockSize 64): native and
   flattened MTP, padding rows of length 0, DeepSeek-V4.1's compressed bounds
   (ratio 1 then ratio 2 with identical shapes, and C4A), GLM-5-next's kpool
-  pooled bounds, simulated DCP 2, a strided cache, a first call during graph
+  pooled bounds (also with every shape of DeepSeek-V4.1's ratio-1 MTP call, so
+  only the caller differs), simulated DCP 2, a strided cache, a first call during graph
   capture, ``next_n`` 2 with ``(B, 1)`` bounds, and a head count no kernel takes.
   Those of MTP run at the largest ``next_n`` above 1 that ``check`` was given
   (2 by default), and not at all when it was given ``next_n`` 1 only.
@@ -149,6 +150,16 @@ def bounds_cases(model: ModelShape, batch: int, context_len: int, mtp: int | Non
             f"DCP 2 next_n={n} (simulated)", next_n=n, dcp=DCP_SIZE, kind="dcp", bounds=f"(B, {n}) localised"
         ),
         case(f"next_n={n} with (B, 1) bounds", next_n=n, kind="per-sequence", bounds="(B, 1) per sequence"),
+        # The kpool caller with every tensor shape and argument of an audited caller's call that
+        # FlyDSL took: only the caller tells them apart, so a verdict memoised without it shows.
+        case(
+            f"GLM-5-next kpool next_n={n} (DSV4.1's shapes)",
+            next_n=n,
+            caller=KPOOL,
+            cache_ratio=KPOOL_RATIO,
+            same_shapes_as=f"DSV4.1 ratio 1 next_n={n}",
+            bounds=f"(B, {n}) // 4",
+        ),
     ]
     cases = [
         case(
@@ -165,6 +176,7 @@ def bounds_cases(model: ModelShape, batch: int, context_len: int, mtp: int | Non
             bounds="(B, 1) // 4",
         ),
         mtp_cases[3],
+        mtp_cases[6],
         case("GLM-5-next kpool next_n=1", caller=KPOOL, cache_ratio=KPOOL_RATIO, bounds="(B, 1) // 4"),
         mtp_cases[4],
         case("DCP 2 next_n=1 (simulated)", dcp=DCP_SIZE, kind="dcp", bounds="(B, 1) localised"),

@@ -14,6 +14,11 @@ wrongly shows. A case passes only when:
 * every column vLLM's consumers read agrees (:mod:`vllm_flydsl_indexer.agreement`);
 * when FlyDSL ran, it wrote exactly the columns that are read.
 
+Then the router-behaviour cases (:mod:`vllm_flydsl_indexer.tools.behaviour`),
+each a fresh router over a few calls in order, always on the reference
+contracts: a tuned table followed, the verify-on-enable canary passing and
+catching a wrong FlyDSL arm, and a kernel that raises sent to stock for good.
+
 Exit status is non-zero on any failure.
 """
 
@@ -28,7 +33,7 @@ import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.tools import behaviour, cli_args
 from vllm_flydsl_indexer.tools.arms import Arms, detect_arms
 from vllm_flydsl_indexer.tools.cases import (
     BLOCKS,
@@ -40,7 +45,7 @@ from vllm_flydsl_indexer.tools.cases import (
     model_cases,
     mtp_next_n,
 )
-from vllm_flydsl_indexer.tools.models import BY_NAME
+from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import PagedProblem
@@ -81,11 +86,15 @@ def default_sizes(device: torch.device) -> tuple[int, int]:
     return cli_args.CHECK_SIZES["cuda" if device.type == "cuda" else "cpu"]
 
 
+def bounds_shape(models) -> ModelShape:
+    """The model shape of the bounds and router-behaviour cases."""
+    return BY_NAME[BOUNDS_CASE_MODEL if BOUNDS_CASE_MODEL in models else models[0]]
+
+
 def build_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> list[Case]:
     """The model cases at each of ``next_ns``; the bounds cases of MTP at the largest above 1, if any."""
     cases = model_cases(models, block_sizes, next_ns, batch, context_len)
-    shape_model = BOUNDS_CASE_MODEL if BOUNDS_CASE_MODEL in models else models[0]
-    return cases + bounds_cases(BY_NAME[shape_model], batch, context_len, mtp_next_n(next_ns))
+    return cases + bounds_cases(bounds_shape(models), batch, context_len, mtp_next_n(next_ns))
 
 
 def not_run_note(next_ns) -> str | None:
@@ -196,8 +205,24 @@ def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_ou
     )
 
 
+def format_table(rows: list[tuple[str, ...]]) -> list[str]:
+    """``rows`` (the header first) in padded columns, a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+
+    def fmt(row):
+        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+
+    header, *body = rows
+    return [fmt(header), fmt(tuple("-" * w for w in widths)), *[fmt(row) for row in body]]
+
+
 def render(
-    results: list[CaseResult], arms: Arms, paths: Paths, device: torch.device, note: str | None = None
+    results: list[CaseResult],
+    arms: Arms,
+    paths: Paths,
+    device: torch.device,
+    note: str | None = None,
+    behaviours: list[behaviour.BehaviourResult] | None = None,
 ) -> str:
     header = (
         "case",
@@ -230,11 +255,6 @@ def render(
         )
         for r in results
     ]
-    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-
-    def fmt(row):
-        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-
     dispatcher = arms.flydsl_variant().own_table
     lines = [
         f"stock:   {paths.label}",
@@ -249,9 +269,7 @@ def render(
         f"{'< 1e-3' if arms.real else '== 0 (exact)'}, identical top-k sets, FlyDSL writes == read columns"
         + (" (not for the dispatcher)" if dispatcher else ""),
         "",
-        fmt(header),
-        fmt(tuple("-" * w for w in widths)),
-        *[fmt(row) for row in body],
+        *format_table([header, *body]),
     ]
     for r in results:
         if r.note:
@@ -271,8 +289,12 @@ def render(
             lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
     if note:
         lines.append(note)
-    passed = sum(r.ok for r in results)
-    lines += ["", f"{passed} passed, {len(results) - passed} failed"]
+    behaviours = behaviours or []
+    if behaviours:
+        lines += ["", behaviour.HEADER, *format_table(behaviour.table(behaviours))]
+        lines += behaviour.fail_lines(behaviours)
+    passed = sum(r.ok for r in results) + sum(r.ok for r in behaviours)
+    lines += ["", f"{passed} passed, {len(results) + len(behaviours) - passed} failed"]
     return "\n".join(lines)
 
 
@@ -291,16 +313,21 @@ def main(args) -> int:
     capture_router = paths.make_router(is_capturing=lambda: True)
     results: list[CaseResult] = []
     problems: dict[str, PagedProblem] = {}
-    with paths.session(), Progress(len(cases), "check") as progress:
-        for i, case in enumerate(cases):
-            progress.step(case.label)
-            gen = torch.Generator().manual_seed(args.seed + i)
-            like = problems.get(case.same_shapes_as) if case.same_shapes_as else None
-            problem = build_problem(case, gen, device, like)
-            problems[case.label] = problem
-            results.append(run_case(case, problem, paths, arms, topk, capture_router))
-    print(render(results, arms, paths, device, not_run_note(next_ns)))
-    if not all(r.ok for r in results):
+    with Progress(len(cases) + len(behaviour.BEHAVIOURS), "check") as progress:
+        with paths.session():
+            for i, case in enumerate(cases):
+                progress.step(case.label)
+                gen = torch.Generator().manual_seed(args.seed + i)
+                like = problems.get(case.same_shapes_as) if case.same_shapes_as else None
+                problem = build_problem(case, gen, device, like)
+                problems[case.label] = problem
+                results.append(run_case(case, problem, paths, arms, topk, capture_router))
+        shape = bounds_shape(models)
+        behaviours = behaviour.run_behaviours(
+            shape.heads, shape.head_dim, device, topk, args.seed + len(cases), quiet_logger(), progress.step
+        )
+    print(render(results, arms, paths, device, not_run_note(next_ns), behaviours))
+    if not all(r.ok for r in results) or not all(r.ok for r in behaviours):
         print("check: FAILED (see the FAIL rows)", file=sys.stderr)
         return 1
     return 0
