@@ -47,6 +47,7 @@ from vllm_flydsl_indexer.tools.reference import (
     make_paged_problem,
     per_sequence_lens,
 )
+from vllm_flydsl_indexer.tools.table import format_table
 
 POOL_LIMIT_BYTES = cli_args.I32_LIMIT  # FlyDSL's i32 offsets
 CPU_NOTE = (
@@ -351,11 +352,6 @@ def render(results: list[ArmResult], meta: dict) -> str:
                 r.status,
             )
         )
-    widths = [max(len(x[i]) for x in [header, *rows]) for i in range(len(header))]
-
-    def fmt(row):
-        return "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
-
     copy = f"{meta['copy_bw_gbps']:.0f} GB/s" if meta["copy_bw_gbps"] else "n/a (CPU)"
     head = [
         f"device: {meta['device']}  arms: {meta['arms']}"
@@ -367,7 +363,7 @@ def render(results: list[ArmResult], meta: dict) -> str:
     if meta["device"] == "cpu":
         head.append(CPU_NOTE)
     head.append("")
-    return "\n".join(head + [fmt(header), fmt(tuple("-" * w for w in widths))] + [fmt(x) for x in rows])
+    return "\n".join(head + format_table([header, *rows]))
 
 
 def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str], list[str]]:

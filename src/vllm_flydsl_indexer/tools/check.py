@@ -49,6 +49,7 @@ from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import PagedProblem
+from vllm_flydsl_indexer.tools.table import format_table
 
 __all__ = ["main"]
 
@@ -203,17 +204,6 @@ def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_ou
         ok=same and arm == expected,
         note=note,
     )
-
-
-def format_table(rows: list[tuple[str, ...]]) -> list[str]:
-    """``rows`` (the header first) in padded columns, a rule under the header."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-
-    def fmt(row):
-        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-
-    header, *body = rows
-    return [fmt(header), fmt(tuple("-" * w for w in widths)), *[fmt(row) for row in body]]
 
 
 def render(
