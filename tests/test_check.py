@@ -101,7 +101,7 @@ MUTATIONS = {
         "GLM-5-next kpool next_n=2",
     ),
     "C4A taken (stock's Gluon question ignored)": (
-        "reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])",
+        "reason = router.hooks.gluon_objection(compress_ratio, block_size)",
         "reason = None",
         "DSV4.1 C4A ratio 4 (block-flat)",
     ),
@@ -111,13 +111,13 @@ MUTATIONS = {
         "heads=24 (no kernel takes it)",
     ),
     "memo key without compress_ratio": (
-        "            compress_ratio,\n            caller,\n",
-        "            caller,\n",
+        "        compress_ratio,\n        caller,\n",
+        "        caller,\n",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
     "memo key without the caller": (
-        "            caller,\n            dcp,\n",
-        "            dcp,\n",
+        "        caller,\n        dcp,\n",
+        "        dcp,\n",
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     "kpool caller trusted with next_n > 1": (

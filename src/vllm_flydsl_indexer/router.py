@@ -11,10 +11,11 @@ host sync and is the same during CUDA/HIP graph capture as outside it.
 The router only composes :data:`RULES`, an ordered list in which each rule
 lives in its own module and returns ``None`` or a short reason; the first
 reason is what the log says (once) for the stock path. ``live`` rules run on
-every call (they read what a memoised verdict cannot: vLLM's module state);
-the others are memoised on the call's signature (:meth:`Call.key`, which
-includes the cache's contiguity). After the rules, two guards that depend on the router's
-own history: **no first-time compile inside graph capture**, and **a
+every call (they read what a memoised verdict cannot: vLLM's module state) and
+take only ``(compress_ratio, KVBlockSize)``; the others read a :class:`Call`
+and are memoised on the call's signature (:func:`call_key`, which includes the
+cache's contiguity), so a Call is built only on a memo miss. After the rules,
+two guards that depend on the router's own history: **no first-time compile inside graph capture**, and **a
 configuration whose kernel raised stays stock**. Any exception from the FlyDSL
 launch returns stock's answer for that call, logs one ERROR, and sends that
 configuration to stock for good: nothing the kernel raises reaches vLLM.
@@ -33,20 +34,22 @@ from vllm_flydsl_indexer import callers, kernels, stock, tuning
 from vllm_flydsl_indexer._logging import DISAGREE_LINE, STOCK_CALL_LINE, log_once
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
 from vllm_flydsl_indexer.stock import StockHooks
-from vllm_flydsl_indexer.target import Call, RouterView
+from vllm_flydsl_indexer.target import Call, RouterView, call_key
 from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
-_new_call = tuple.__new__
 
 
+# A memoised rule reads the Call; a live rule only (compress_ratio, KVBlockSize),
+# so the hot path builds no Call (stock.gluon_rule).
 Rule = Callable[[Call, RouterView], "str | None"]
+LiveRule = Callable[[int, int, RouterView], "str | None"]
 
 
 @dataclass(frozen=True)
 class RuleEntry:
-    rule: Rule
+    rule: Rule | LiveRule
     live: bool = False
 
 
@@ -133,18 +136,11 @@ class FlyDSLRouter:
         self.calls_taken = 0
         self.calls_delegated = 0
 
-    def _route(self, call: Call) -> Route:
-        """The :class:`Route` for this call: the live rules, then the memoised verdict (bounded memo)."""
-        for rule in LIVE_RULES:
-            reason = rule(call, self)
-            if reason is not None:
-                return Route(reason)
-        key = call.key()
-        route = self._routes.get(key)
-        if route is None:
-            route = self._new_route(call)
-            if len(self._routes) < MAX_MEMOISED_VERDICTS:
-                self._routes[key] = route
+    def _memoise(self, key: tuple, call: Call) -> Route:
+        """The memoised rules' verdict on a call not seen before, kept while the memo has room."""
+        route = self._new_route(call)
+        if len(self._routes) < MAX_MEMOISED_VERDICTS:
+            self._routes[key] = route
         return route
 
     def _new_route(self, call: Call) -> Route:
@@ -188,10 +184,26 @@ class FlyDSLRouter:
         args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len)
         if self.disabled_reason is not None:
             return self._delegate(self.disabled_reason, args, compress_ratio)
-        # tuple.__new__ skips NamedTuple's Python-level __new__: this runs on every call.
-        call = _new_call(
-            Call,
-            (
+        for rule in LIVE_RULES:
+            reason = rule(compress_ratio, kv_cache_fp8.shape[1], self)
+            if reason is not None:
+                return self._delegate(reason, args, compress_ratio)
+        dcp = self.hooks.dcp_world_size()
+        key = call_key(
+            q_fp8,
+            kv_cache_fp8,
+            weights,
+            context_lens,
+            block_tables,
+            max_model_len,
+            compress_ratio,
+            caller,
+            dcp,
+        )
+        route = self._routes.get(key)
+        if route is None:
+            # A Call is built only on a memo miss: the hot path looks its verdict up by the key alone.
+            call = Call(
                 q_fp8,
                 kv_cache_fp8,
                 weights,
@@ -200,10 +212,9 @@ class FlyDSLRouter:
                 max_model_len,
                 compress_ratio,
                 caller,
-                self.hooks.dcp_world_size(),
-            ),
-        )
-        route = self._route(call)
+                dcp,
+            )
+            route = self._memoise(key, call)
         if route.reason is not None:
             return self._delegate(route.reason, args, compress_ratio)
         if not route.ready or self.verifier is not None:

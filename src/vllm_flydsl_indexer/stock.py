@@ -94,9 +94,9 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
     )
 
 
-def gluon_rule(call: Call, router: RouterView) -> str | None:
-    """Only the call stock would send to aiter's Gluon kernel is ours to change."""
-    reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])
+def gluon_rule(compress_ratio: int, block_size: int, router: RouterView) -> str | None:
+    """Only the call stock would send to aiter's Gluon kernel is ours to change (a live rule)."""
+    reason = router.hooks.gluon_objection(compress_ratio, block_size)
     return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
 
 

@@ -79,26 +79,43 @@ class Call(NamedTuple):
     dcp_world_size: int
 
     def key(self) -> tuple:
-        """Everything the memoised rules read: shapes, dtypes, contiguity and the Python arguments."""
-        q, kv, weights, lens, tables, max_model_len, compress_ratio, caller, dcp = self
-        return (
-            q.shape,
-            kv.shape,
-            weights.shape,
-            lens.shape,
-            tables.shape,
-            q.dtype,
-            kv.dtype,
-            weights.dtype,
-            lens.dtype,
-            tables.dtype,
-            q.is_contiguous(),
-            kv.is_contiguous(),
-            max_model_len,
-            compress_ratio,
-            caller,
-            dcp,
-        )
+        """:func:`call_key` of this call."""
+        return call_key(*self)
+
+
+def call_key(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    weights: torch.Tensor,
+    lens: torch.Tensor,
+    tables: torch.Tensor,
+    max_model_len: int,
+    compress_ratio: int,
+    caller: str | None,
+    dcp: int,
+) -> tuple:
+    """Everything the memoised rules read: shapes, dtypes, contiguity and the Python arguments.
+
+    Takes :class:`Call`'s fields, so the router can look a verdict up before it builds a Call.
+    """
+    return (
+        q.shape,
+        kv.shape,
+        weights.shape,
+        lens.shape,
+        tables.shape,
+        q.dtype,
+        kv.dtype,
+        weights.dtype,
+        lens.dtype,
+        tables.dtype,
+        q.is_contiguous(),
+        kv.is_contiguous(),
+        max_model_len,
+        compress_ratio,
+        caller,
+        dcp,
+    )
 
 
 class RouterView(Protocol):
