@@ -106,7 +106,7 @@ MUTATIONS = {
         "DSV4.1 C4A ratio 4 (block-flat)",
     ),
     "variant limits ignored": (
-        "return router.variant.violation(q, kv, weights, lens, tables)",
+        "return router.variant.violation(call)",
         "return None",
         "heads=24 (no kernel takes it)",
     ),

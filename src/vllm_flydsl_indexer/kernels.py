@@ -227,15 +227,9 @@ class KernelVariant:
     # table is not used, and Gluon's -inf past the read windows may be written.
     own_table: bool = False
 
-    def violation(
-        self,
-        q_fp8: torch.Tensor,
-        kv_cache: torch.Tensor,
-        weights: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-    ) -> str | None:
+    def violation(self, call: Call) -> str | None:
         """Why this API cannot take the call exactly, or ``None``."""
+        q_fp8, kv_cache, weights, context_lens, block_tables = call[:5]
         problem = common_violation(q_fp8, kv_cache, weights, context_lens, block_tables)
         if problem is not None:
             return problem
@@ -637,5 +631,4 @@ def contiguity_rule(call: Call, router: RouterView) -> str | None:
 
 def contract_rule(call: Call, router: RouterView) -> str | None:
     """The found API's exact contract: the common one plus its own limits."""
-    q, kv, weights, lens, tables = call[:5]
-    return router.variant.violation(q, kv, weights, lens, tables)
+    return router.variant.violation(call)

@@ -189,32 +189,11 @@ class FlyDSLRouter:
             if reason is not None:
                 return self._delegate(reason, args, compress_ratio)
         dcp = self.hooks.dcp_world_size()
-        key = call_key(
-            q_fp8,
-            kv_cache_fp8,
-            weights,
-            context_lens,
-            block_tables,
-            max_model_len,
-            compress_ratio,
-            caller,
-            dcp,
-        )
+        key = call_key(args, compress_ratio, caller, dcp)
         route = self._routes.get(key)
         if route is None:
             # A Call is built only on a memo miss: the hot path looks its verdict up by the key alone.
-            call = Call(
-                q_fp8,
-                kv_cache_fp8,
-                weights,
-                context_lens,
-                block_tables,
-                max_model_len,
-                compress_ratio,
-                caller,
-                dcp,
-            )
-            route = self._memoise(key, call)
+            route = self._memoise(key, Call.of(args, compress_ratio, caller, dcp))
         if route.reason is not None:
             return self._delegate(route.reason, args, compress_ratio)
         if not route.ready or self.verifier is not None:

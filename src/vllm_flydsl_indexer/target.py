@@ -78,26 +78,19 @@ class Call(NamedTuple):
     caller: str | None
     dcp_world_size: int
 
-    def key(self) -> tuple:
-        """:func:`call_key` of this call."""
-        return call_key(*self)
+    @classmethod
+    def of(cls, args: tuple, compress_ratio: int, caller: str | None, dcp: int) -> Call:
+        """The Call of the target's positional ``args`` (``schedule_metadata`` is not read)."""
+        q, kv, weights, lens, tables, _, max_model_len = args
+        return cls(q, kv, weights, lens, tables, max_model_len, compress_ratio, caller, dcp)
 
 
-def call_key(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    weights: torch.Tensor,
-    lens: torch.Tensor,
-    tables: torch.Tensor,
-    max_model_len: int,
-    compress_ratio: int,
-    caller: str | None,
-    dcp: int,
-) -> tuple:
+def call_key(args: tuple, compress_ratio: int, caller: str | None, dcp: int) -> tuple:
     """Everything the memoised rules read: shapes, dtypes, contiguity and the Python arguments.
 
-    Takes :class:`Call`'s fields, so the router can look a verdict up before it builds a Call.
+    Takes what :meth:`Call.of` takes, so the router looks a verdict up before it builds a Call.
     """
+    q, kv, weights, lens, tables, _, max_model_len = args
     return (
         q.shape,
         kv.shape,
