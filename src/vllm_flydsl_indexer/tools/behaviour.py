@@ -186,13 +186,13 @@ def problems_for(
     problems = {}
     for i, (batch, block_size) in enumerate(shapes):
         case = Case(
-            f"{batch}/{block_size}",
             heads,
             head_dim,
             block_size,
             1,
             batch,
             CONTEXT_LEN,
+            label=f"{batch}/{block_size}",
             preshuffle=block_size > 1,
         )
         problems[batch, block_size] = build_problem(case, torch.Generator().manual_seed(seed + i), device)

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.tools import cases, cli_args
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.cases import INDEXER
 from vllm_flydsl_indexer.tools.check import quiet_logger
@@ -58,14 +58,8 @@ GPU_GRID = cli_args.BENCH_GPU_GRID
 CPU_GRID = cli_args.BENCH_CPU_GRID
 
 
-@dataclass
-class Shape:
-    heads: int
-    head_dim: int
-    block_size: int
-    next_n: int
-    batch: int
-    context_len: int
+class Shape(cases.Shape):
+    """A point of bench's grid, with its label and sizes."""
 
     @property
     def label(self) -> str:
@@ -106,6 +100,21 @@ class ArmResult:
     copy_bw_fraction: float | None = None
     speedup_vs_baseline: float | None = None
     extra: dict = field(default_factory=dict)
+
+
+def reference_logits(p: PagedProblem, out: torch.Tensor, contract: str) -> torch.Tensor:
+    """``p``'s logits into ``out`` under one kernel's contract (the reference)."""
+    return fp8_paged_mqa_logits_reference(
+        p.q_fp8,
+        p.kv_cache,
+        p.weights,
+        out,
+        p.context_lens,
+        p.block_tables,
+        p.max_model_len,
+        preshuffle=p.block_size > 1,
+        contract=contract,
+    )
 
 
 def traffic(problem: PagedProblem) -> tuple[int, int]:
@@ -185,18 +194,7 @@ def arm_callables(arms: Arms, paths: Paths) -> dict[str, tuple[bool, Callable]]:
         return lambda p: fn(*p.call_args())
 
     def reference(p: PagedProblem):
-        out = output_buffer(p.batch * p.next_n, p.max_model_len)
-        return fp8_paged_mqa_logits_reference(
-            p.q_fp8,
-            p.kv_cache,
-            p.weights,
-            out,
-            p.context_lens,
-            p.block_tables,
-            p.max_model_len,
-            preshuffle=p.block_size > 1,
-            contract="flydsl",
-        )
+        return reference_logits(p, output_buffer(p.batch * p.next_n, p.max_model_len), "flydsl")
 
     found: dict[str, tuple[bool, Callable]] = {}
     suffix = "" if arms.real else "[ref]"
@@ -234,8 +232,9 @@ def shapes_from(args, device: torch.device) -> list[Shape]:
 def run(args) -> tuple[list[ArmResult], dict]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     arms = detect_arms(device, force_reference=args.reference)
-    repeats = args.repeats or (20 if device.type == "cuda" else 3)
-    n_sets = args.input_sets or (4 if device.type == "cuda" else 2)
+    default_repeats, default_sets = cli_args.BENCH_TIMING["cuda" if device.type == "cuda" else "cpu"]
+    repeats = args.repeats or default_repeats
+    n_sets = args.input_sets or default_sets
     copy_bw = copy_bandwidth_gbps(device)
     timer = Timer(device)
     results: list[ArmResult] = []
@@ -260,17 +259,7 @@ def run(args) -> tuple[list[ArmResult], dict]:
             p0 = problems[0]
             out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
             out.fill_(float("nan"))
-            baseline = fp8_paged_mqa_logits_reference(
-                p0.q_fp8,
-                p0.kv_cache,
-                p0.weights,
-                out,
-                p0.context_lens,
-                p0.block_tables,
-                p0.max_model_len,
-                preshuffle=p0.block_size > 1,
-                contract="gluon",
-            ).clone()
+            baseline = reference_logits(p0, out, "gluon").clone()
             nbytes, flops = traffic(p0)
             kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
             for name, (real, fn) in arm_callables(arms, paths).items():

@@ -49,14 +49,20 @@ UNSUPPORTED_HEADS = 24
 
 
 @dataclass(frozen=True)
-class Case:
-    label: str
+class Shape:
+    """One problem's sizes: what check's cases and bench's grid both vary."""
+
     heads: int
     head_dim: int
     block_size: int
     next_n: int
     batch: int
     context_len: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Case(Shape):
+    label: str
     caller: str = INDEXER
     bounds: str = "per row"
     # What the call passes, and the simulated process around it.
@@ -105,13 +111,13 @@ def expected_arm(case: Case, variant: KernelVariant) -> tuple[str, str]:
 def model_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> list[Case]:
     return [
         Case(
-            f"{BY_NAME[m].label} KVB={bs} {'preshuffle' if bs > 1 else 'plain'} next_n={n}",
             BY_NAME[m].heads,
             BY_NAME[m].head_dim,
             bs,
             n,
             batch,
             context_len,
+            label=f"{BY_NAME[m].label} KVB={bs} {'preshuffle' if bs > 1 else 'plain'} next_n={n}",
             bounds=f"(B, {n}) one apart" if n > 1 else "(B, 1)",
             preshuffle=bs > 1,
         )
@@ -121,7 +127,9 @@ def model_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> l
 
 def bounds_cases(model: ModelShape, batch: int, context_len: int, mtp: int | None = 2) -> list[Case]:
     """Every bounds shape vLLM builds; those of MTP (``next_n > 1``) at ``next_n = mtp``, none if ``None``."""
-    base = Case("", model.heads, model.head_dim, CHECK_BOUNDS_BLOCK, 1, batch, context_len, bounds="(B, 1)")
+    base = Case(
+        model.heads, model.head_dim, CHECK_BOUNDS_BLOCK, 1, batch, context_len, label="", bounds="(B, 1)"
+    )
     n = mtp or 2  # the flattened case calls with next_n 1 whatever MTP's next_n was
 
     def case(label: str, **changes) -> Case:

@@ -76,6 +76,18 @@ TUNE_GPU_GRID = dict(
     context_len=(8192, 32768),
 )
 TUNE_REFERENCE_GRID = dict(heads=HEADS, block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,))
+# bench's timing defaults per device type: (timed iterations, input sets rotated).
+BENCH_TIMING = {"cuda": (20, 4), "cpu": (3, 2)}
+
+
+def _csv(values: tuple[int, ...]) -> str:
+    return ",".join(map(str, values))
+
+
+def _per_device(gpu: object, cpu: object) -> str:
+    return f"{gpu} on GPU; {cpu} on CPU"
+
+
 # bench options that --tune does not use: refused together with it, never silently ignored.
 NOT_WITH_TUNE = {
     "csv_path": ("--csv", "--tune writes its table to OUT.csv; --json writes the tuned rows as JSON"),
@@ -202,19 +214,26 @@ def output_path(text: str) -> str:
 
 def add_check_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=[*BY_NAME, "all"], default="all", help="indexer shape (default: all)")
-    p.add_argument("--batch", type=positive_int, help="sequences per case (default: 32 on GPU, 4 on CPU)")
+    p.add_argument(
+        "--batch",
+        type=positive_int,
+        help=f"sequences per case (default: {_per_device(CHECK_SIZES['cuda'][0], CHECK_SIZES['cpu'][0])})",
+    )
     p.add_argument(
         "--next-n",
         type=positive_int_list,
-        help="comma list, e.g. 1,2 (default); the bounds cases that need MTP run at the largest value > 1",
+        help=f"comma list (default {_csv(CHECK_NEXT_NS)}); "
+        "the bounds cases that need MTP run at the largest value > 1",
     )
     p.add_argument(
-        "--context-len", type=positive_int, help="max context length (default: 32768 GPU, 2048 CPU)"
+        "--context-len",
+        type=positive_int,
+        help=f"max context length (default: {_per_device(CHECK_SIZES['cuda'][1], CHECK_SIZES['cpu'][1])})",
     )
     p.add_argument(
         "--block-size",
         type=block_size_list,
-        help="comma list of KVBlockSize, each 1 or a multiple of 16 (default 64,1)",
+        help=f"comma list of KVBlockSize, each 1 or a multiple of 16 (default {_csv(CHECK_BLOCKS)})",
     )
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help="compare reference contracts even on gfx950")
@@ -228,25 +247,32 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--heads", type=positive_int_list, help=f"comma list (default {','.join(map(str, HEADS))})"
-    )
+    p.add_argument("--heads", type=positive_int_list, help=f"comma list (default {_csv(HEADS)})")
     p.add_argument(
         "--head-dim", type=head_dim, default=HEAD_DIM, help=f"a multiple of 16 (default {HEAD_DIM})"
     )
     p.add_argument(
         "--block-size",
         type=block_size_list,
-        help="comma list, each 1 or a multiple of 16; >1 means preshuffle (default 1,64)",
+        help="comma list, each 1 or a multiple of 16; >1 means preshuffle "
+        f"(default {_csv(BENCH_GPU_GRID['block_size'])})",
     )
-    p.add_argument("--next-n", type=positive_int_list, help="comma list, each <= --context-len (default 1,2)")
     p.add_argument(
-        "--batch", type=positive_int_list, help="comma list (default 1,8,32,128 on GPU; 1,4 on CPU)"
+        "--next-n",
+        type=positive_int_list,
+        help=f"comma list, each <= --context-len (default {_csv(BENCH_GPU_GRID['next_n'])})",
+    )
+    p.add_argument(
+        "--batch",
+        type=positive_int_list,
+        help="comma list "
+        f"(default {_per_device(_csv(BENCH_GPU_GRID['batch']), _csv(BENCH_CPU_GRID['batch']))})",
     )
     p.add_argument(
         "--context-len",
         type=positive_int_list,
-        help="comma list (default 4096,32768,131072 on GPU; 4096 on CPU)",
+        help="comma list (default "
+        f"{_per_device(_csv(BENCH_GPU_GRID['context_len']), _csv(BENCH_CPU_GRID['context_len']))})",
     )
     p.add_argument(
         "--vary-lengths", action="store_true", help="random lengths in [ctx/2, ctx] (default: exact)"
@@ -254,7 +280,8 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--input-sets",
         type=positive_int,
-        help="input sets rotated between iterations (default 4 GPU, 2 CPU)",
+        help="input sets rotated between iterations "
+        f"(default {_per_device(BENCH_TIMING['cuda'][1], BENCH_TIMING['cpu'][1])})",
     )
     p.add_argument(
         "--pool-blocks",
@@ -267,7 +294,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list to run a subset of the available arms ({', '.join(BENCH_ARMS)})",
     )
     p.add_argument("--warmup", type=non_negative_int, default=3)
-    p.add_argument("--repeats", type=positive_int, help="timed iterations (default 20 GPU, 3 CPU)")
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])})",
+    )
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
     p.add_argument("--seed", type=seed, default=0)
