@@ -15,10 +15,11 @@ every call (they read what a memoised verdict cannot: vLLM's module state) and
 take only ``(compress_ratio, KVBlockSize)``; the others read a :class:`Call`
 and are memoised on the call's signature (:func:`call_key`, which includes the
 cache's contiguity), so a Call is built only on a memo miss. After the rules,
-two guards that depend on the router's own history: **no first-time compile inside graph capture**, and **a
-configuration whose kernel raised stays stock**. Any exception from the FlyDSL
-launch returns stock's answer for that call, logs one ERROR, and sends that
-configuration to stock for good: nothing the kernel raises reaches vLLM.
+two guards that depend on the router's own history: **no first-time compile
+inside graph capture**, and **a configuration whose kernel raised stays
+stock**. Any exception from the FlyDSL launch returns stock's answer for that
+call, logs one ERROR, and sends that configuration to stock for good: nothing
+the kernel raises reaches vLLM.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_flydsl_indexer import callers, kernels, stock, tuning
-from vllm_flydsl_indexer._logging import DISAGREE_LINE, STOCK_CALL_LINE, log_once
+from vllm_flydsl_indexer._logging import DISAGREE_LINE, HEAD, STOCK_CALL_LINE, log_once
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
 from vllm_flydsl_indexer.stock import StockHooks
 from vllm_flydsl_indexer.target import Call, RouterView, call_key
@@ -252,7 +253,8 @@ class FlyDSLRouter:
         log_once(
             self.logger,
             logging.INFO,
-            "vllm-flydsl-indexer: FlyDSL taken for %s (caller %s; %s%s)",
+            "%s FlyDSL taken for %s (caller %s; %s%s)",
+            HEAD,
             config.describe(),
             route.caller or "unknown",
             self.variant.location,
@@ -270,8 +272,9 @@ class FlyDSLRouter:
         self.compiled.discard(config)
         self._routes.clear()  # every memoised route of this configuration now says stock
         self.logger.error(
-            "vllm-flydsl-indexer: %s (%s) raised %s: %s. This call and every later call of this "
+            "%s %s (%s) raised %s: %s. This call and every later call of this "
             "configuration use the stock path.",
+            HEAD,
             self.variant.location,
             config.describe(),
             type(error).__name__,
@@ -297,14 +300,16 @@ class FlyDSLRouter:
         problem = verifier(stock, out, context_lens, q_fp8.shape[1])
         if problem is None:
             self.logger.info(
-                "vllm-flydsl-indexer: verify-on-enable canary passed (%s)",
+                "%s verify-on-enable canary passed (%s)",
+                HEAD,
                 "arms agree inside the read windows",
             )
             return out
         self.disabled_reason = f"verify-on-enable canary failed earlier ({problem})"
         self.logger.error(
-            "vllm-flydsl-indexer: FlyDSL and stock %s on the first eligible call: %s. "
+            "%s FlyDSL and stock %s on the first eligible call: %s. "
             "This process now uses the stock path for good.",
+            HEAD,
             DISAGREE_LINE,
             problem,
         )

@@ -43,7 +43,6 @@ from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import (
     PagedProblem,
-    fp8_paged_mqa_logits_reference,
     make_paged_problem,
     per_sequence_lens,
 )
@@ -100,21 +99,6 @@ class ArmResult:
     copy_bw_fraction: float | None = None
     speedup_vs_baseline: float | None = None
     extra: dict = field(default_factory=dict)
-
-
-def reference_logits(p: PagedProblem, out: torch.Tensor, contract: str) -> torch.Tensor:
-    """``p``'s logits into ``out`` under one kernel's contract (the reference)."""
-    return fp8_paged_mqa_logits_reference(
-        p.q_fp8,
-        p.kv_cache,
-        p.weights,
-        out,
-        p.context_lens,
-        p.block_tables,
-        p.max_model_len,
-        preshuffle=p.block_size > 1,
-        contract=contract,
-    )
 
 
 def traffic(problem: PagedProblem) -> tuple[int, int]:
@@ -194,7 +178,7 @@ def arm_callables(arms: Arms, paths: Paths) -> dict[str, tuple[bool, Callable]]:
         return lambda p: fn(*p.call_args())
 
     def reference(p: PagedProblem):
-        return reference_logits(p, output_buffer(p.batch * p.next_n, p.max_model_len), "flydsl")
+        return p.reference_logits(output_buffer(p.batch * p.next_n, p.max_model_len), "flydsl")
 
     found: dict[str, tuple[bool, Callable]] = {}
     suffix = "" if arms.real else "[ref]"
@@ -259,7 +243,7 @@ def run(args) -> tuple[list[ArmResult], dict]:
             p0 = problems[0]
             out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
             out.fill_(float("nan"))
-            baseline = reference_logits(p0, out, "gluon").clone()
+            baseline = p0.reference_logits(out, "gluon").clone()
             nbytes, flops = traffic(p0)
             kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
             for name, (real, fn) in arm_callables(arms, paths).items():

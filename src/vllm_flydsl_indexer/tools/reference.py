@@ -220,6 +220,20 @@ class PagedProblem:
             self.max_model_len,
         )
 
+    def reference_logits(self, out: torch.Tensor, contract: Contract) -> torch.Tensor:
+        """This problem's logits into ``out`` under one kernel's write contract."""
+        return fp8_paged_mqa_logits_reference(
+            self.q_fp8,
+            self.kv_cache,
+            self.weights,
+            out,
+            self.context_lens,
+            self.block_tables,
+            self.max_model_len,
+            preshuffle=self.preshuffle,
+            contract=contract,
+        )
+
     @property
     def kv_bytes(self) -> int:
         """Distinct KV bytes the problem's block tables reference."""

@@ -35,7 +35,6 @@ from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, cu_count
 from vllm_flydsl_indexer.tools import cli_args
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.reference import (
-    fp8_paged_mqa_logits_reference,
     make_paged_problem,
 )
 
@@ -96,17 +95,7 @@ def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str
         workspace = Workspace(batch * next_n, ctx, device)
         p0 = problems[0]
         expected = torch.full((batch * next_n, ctx), float("nan"), device=device)
-        fp8_paged_mqa_logits_reference(
-            p0.q_fp8,
-            p0.kv_cache,
-            p0.weights,
-            expected,
-            p0.context_lens,
-            p0.block_tables,
-            ctx,
-            preshuffle=kvb > 1,
-            contract="flydsl",
-        )
+        p0.reference_logits(expected, "flydsl")
         ends = read_window_ends(p0.context_lens, batch * next_n, next_n)
         times = {}
         for backend, kernel, knobs in (("gluon", arms.gluon, GLUON_KNOBS), ("flydsl", arms.flydsl, {})):
