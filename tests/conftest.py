@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer.kernels import identify
+from vllm_flydsl_indexer.identification import identify
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.stock import StockHooks
 from vllm_flydsl_indexer.tools.reference import make_paged_problem

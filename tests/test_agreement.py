@@ -187,3 +187,21 @@ def test_a_nan_inside_a_read_window_fails_the_rule_and_one_outside_does_not():
     inside[3, 4] = float("nan")  # the last column row 3 reads
     result = compare_in_windows(expected, inside, ends)
     assert not result.nan_free and not result.ok(1e-3)
+
+
+def test_one_neg_inf_column_inside_a_read_window_fails_the_rule_by_its_mask():
+    """Only the ``-inf`` mask gives it away: the column is below the top-k and nothing else differs."""
+    gen = torch.Generator().manual_seed(12)
+    expected = torch.randn(3, 32, generator=gen)
+    ends = torch.tensor([32, 20, 9])
+    masked = expected.clone()
+    col = int(expected[1, :20].argmin())  # the smallest value row 1 reads: never in its top-2
+    masked[1, col] = float("-inf")
+    result = compare_in_windows(expected, masked, ends, topk=2)
+    assert result.topk_equal and result.nan_free and result.within(0)
+    assert not result.mask_equal and not result.ok(0)
+    assert "-inf mask differs" in result.describe() or "mask" in result.describe()
+    # The same -inf past row 1's window is read by nobody.
+    outside = expected.clone()
+    outside[1, 25] = float("-inf")
+    assert compare_in_windows(expected, outside, ends, topk=2).ok(0)

@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 
 import vllm_flydsl_indexer
-from vllm_flydsl_indexer import callers, kernels, router, stock, tuning
+from vllm_flydsl_indexer import agreement, callers, identification, kernels, router, rules, stock, tuning
 from vllm_flydsl_indexer import target as target_module
 from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
+# 23 model and bounds cases, 11 router-behaviour cases for each of 3 APIs, 3 agreement self-tests.
+ALL_PASS = "59 passed, 0 failed"
 
 
 def run_check(capsys, argv=SMALL) -> tuple[int, str]:
@@ -57,11 +59,14 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
     ):
         assert " stock     stock " in arms[label], arms[label]
     # The router-behaviour cases, each its own router on the reference contracts.
-    assert "always the reference contracts (pure torch), even where real kernels exist" in behaviour.HEADER
+    assert "on its reference contract (pure torch), even where real kernels exist" in behaviour.HEADER
     behaviour_rows = [line for line in behaviours.splitlines() if line.endswith(("PASS", "FAIL"))]
-    assert [r.split("  ")[0] for r in behaviour_rows] == [b.label for b in behaviour.BEHAVIOURS]
+    labels = [b.label for b in behaviour.BEHAVIOURS]
+    ran = [tuple(c.strip() for c in r.split("  ") if c.strip())[:2] for r in behaviour_rows]
+    apis = ("general", "gfx950", "gfx950-early")  # the found API (the general double) first
+    assert ran[: len(labels) * 3] == [(api, label) for api in apis for label in labels]
     assert all(r.endswith("PASS") for r in behaviour_rows) and "FAIL" not in behaviours
-    assert "27 passed, 0 failed" in out
+    assert ALL_PASS in out
     # The session pointed vLLM's kernel lookups at the references, then restored them.
     assert (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton) == lookups
 
@@ -151,8 +156,77 @@ MUTATIONS = {
         "pass",
         "FlyDSL kernel raises",
     ),
+    # issue 26: every API's contract, the memo key, Preshuffle, the table, the canary, the agreement rule.
+    "canary without its NaN poison (an unwritten column unseen)": (
+        'self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len).fill_(float("nan"))',
+        "self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)",
+        "verify-on-enable canary, FlyDSL leaves a column unwritten",
+    ),
+    "Preshuffle equality ignored": ("if told != layout:", "if False:", "Preshuffle differs from stock's"),
+    "memo key without DCP": ("        dcp,\n    )\n", "    )\n", "memo: DCP 2 after DCP 1, same shapes"),
+    "memo key without the cache's contiguity": (
+        "        kv.is_contiguous(),\n",
+        "",
+        "memo: strided cache after contiguous, same shapes",
+    ),
+    "tuned SplitKV knob ignored by the router": (
+        "wg_per_cu = pick.wg_per_cu if pick is not None else 0",
+        "wg_per_cu = 0",
+        "tuned table",
+    ),
+    "tuned SplitKV knob ignored by the launch": (
+        "cus, batch, max_model_len, block_size, wg_per_cu or self.split_kv_workgroups_per_cu",
+        "cus, batch, max_model_len, block_size, self.split_kv_workgroups_per_cu",
+        "tuned table",
+    ),
+    "another gfx's table rows read": (
+        "            if row.gfx != gfx:\n                continue\n",
+        "",
+        "tuned table",
+    ),
+    "agreement: -inf mask comparison always true": (
+        "mask_equal = torch.equal(e_ninf, a_ninf)",
+        "mask_equal = True",
+        "agreement self-test, one -inf column inside a read window",
+    ),
+    "agreement: NaN check always clean": (
+        "nan_free = not bool(torch.isnan(e[inside]).any() or torch.isnan(a[inside]).any())",
+        "nan_free = True",
+        "agreement self-test, a NaN inside a read window",
+    ),
+    "gfx950 contiguous-q limit ignored": (
+        "if self.limits.q_contiguous and not q_fp8.is_contiguous():",
+        "if False:",
+        "API limits",
+    ),
+    "gfx950 max next_n ignored": (
+        "if self.max_next_n is not None and next_n > self.max_next_n:",
+        "if False:",
+        "API limits",
+    ),
+    "gfx950 heads limit ignored": ("elif heads not in self.heads:", "elif False:", "API limits"),
+    "gfx950 KVBlockSize limit ignored": (
+        "elif block_size not in self.block_sizes:",
+        "elif False:",
+        "API limits",
+    ),
+    "i32 pool limit off by one": (
+        "if num_blocks * block_size * index_dim >= I32_OFFSET_LIMIT:",
+        "if num_blocks * block_size * index_dim > I32_OFFSET_LIMIT:",
+        "pool at the i32 offset limit (shapes only)",
+    ),
+    "unknown caller trusted with next_n > 1": (
+        "site = CALL_SITES.get(caller) if caller is not None else None",
+        "site = CALL_SITES.get(caller or DEFINING_MODULE)",
+        "bounds and callers",
+    ),
+    "next_n 1 taken with (B, 2) bounds": (
+        "if context_lens.dim() == 2 and context_lens.shape[1] != 1:",
+        "if False:",
+        "bounds and callers",
+    ),
 }
-RULE_MODULES = (router, target_module, callers, kernels, stock, tuning)
+RULE_MODULES = (router, rules, target_module, callers, kernels, stock, tuning, agreement)
 
 
 def plant(monkeypatch, old: str, new: str) -> int:
@@ -210,7 +284,7 @@ def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, 
     rc, out = run_check(capsys)
     assert rc == 0, out
     assert "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950" in out
-    assert "27 passed, 0 failed" in out
+    assert ALL_PASS in out
 
 
 def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspace):
@@ -260,13 +334,12 @@ def test_check_applies_the_found_variants_contract(
     flydsl, dispatcher, aiter_as, target, workspace, monkeypatch, capsys
 ):
     """With each kernel variant's double as the FlyDSL arm, check's expected arms follow that variant."""
-    from vllm_flydsl_indexer import kernels
     from vllm_flydsl_indexer.tools import arms as arms_module
     from vllm_flydsl_indexer.tools import check
     from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
-    variant = kernels.find_kernel().variant
+    variant = identification.find_kernel().variant
     assert variant is not None and variant.name == ("dispatcher" if dispatcher else flydsl)
     found = arms_module.Arms(
         False, f"doubles ({variant.name})", "", gluon_contract_reference, variant.fn, variant

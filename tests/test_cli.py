@@ -125,8 +125,8 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
         "no-vllm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM unavailable",
     }[machine]
     assert stock in proc.stdout
-    assert "27 passed, 0 failed" in proc.stdout
-    assert proc.stdout.count("PASS") == 27
+    assert proc.stdout.splitlines()[-1] == "59 passed, 0 failed (reference contracts, not the real kernels)"
+    assert proc.stdout.count("PASS") == 59
     assert "router behaviour: " in proc.stdout and "even where real kernels exist" in proc.stdout
     assert "check [" in proc.stderr  # progress bar
 
@@ -232,11 +232,16 @@ def test_bench_names_every_file_it_writes(tmp_path, monkeypatch):
     assert drawn == ["r.png"] and (tmp_path / "r.json").exists() and (tmp_path / "r.csv").exists()
 
 
-def test_bench_skips_pools_over_two_gib():
+def test_bench_skips_pools_and_logits_over_two_gib():
     from vllm_flydsl_indexer.tools.bench import Shape
 
-    assert Shape(64, 128, 64, 1, 128, 131072).pool_bytes() >= 2**31
-    assert Shape(64, 128, 64, 1, 32, 131072).pool_bytes() < 2**31
+    # Shape(heads, head_dim, block_size, next_n, batch, context_len)
+    big = Shape(64, 128, 64, 1, 128, 131072)
+    assert big.skipped(None) == "skipped: KV pool >= 2 GiB (FlyDSL i32 offsets)"
+    assert Shape(64, 128, 64, 1, 32, 131072).skipped(None) is None
+    # A fixed --pool-blocks pool is not the grid's to refuse; a logits buffer over 2 GiB always is.
+    assert Shape(64, 128, 64, 1, 128, 131072).skipped(64) is None
+    assert Shape(64, 128, 64, 2, 2048, 131072).skipped(64) == "skipped: logits buffer >= 2 GiB"
 
 
 def test_python_m_entry_and_console_script_agree():
@@ -610,12 +615,12 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    # 9 cases, then the 4 router-behaviour cases (next_n 1 only).
-    assert len(rows) == 9 + 4 and all(r.endswith("PASS") for r in rows), out
+    # 9 cases, then the 11 router-behaviour cases of each of 3 APIs, then 3 agreement self-tests.
+    assert len(rows) == 9 + 33 + 3 and all(r.endswith("PASS") for r in rows), out
     assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
     notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
     assert len(notes) == 1 and "the 7 bounds cases of MTP (next_n > 1) were not run" in notes[0]
-    assert "13 passed, 0 failed" in out
+    assert out.splitlines()[-1] == "45 passed, 0 failed (reference contracts, not the real kernels)"
 
 
 def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():
@@ -666,7 +671,7 @@ def test_bench_keeps_the_results_when_a_late_write_fails(tmp_path, monkeypatch, 
     shape = bench.Shape(32, 128, 64, 1, 1, 1024)
     result = bench.ArmResult(dict(shape.__dict__), "reference", False, "timed", median_us=12.5)
 
-    def run(args):
+    def run(args, stop=None):
         shutil.rmtree(out_dir)  # the directory goes away during the run
         return [result], {
             "device": "cpu",

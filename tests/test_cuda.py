@@ -260,13 +260,13 @@ def variant_router(name: str, ws: Workspace, aiter_as):
     """The router over one kernel API's double (tests/doubles/aiter_flydsl), called as the indexer does."""
     import importlib
 
-    from vllm_flydsl_indexer import kernels
+    from vllm_flydsl_indexer import identification
 
     module_name, heads = VARIANT_DOUBLES[name]
     aiter_as(flydsl="gfx950" if name == "gfx950" else "general", dispatcher=name == "dispatcher")
     module = importlib.import_module(module_name)
     fn = module.paged_mqa_logits if name == "dispatcher" else module.flydsl_fp8_paged_mqa_logits
-    variant = kernels.identify(fn, module)
+    variant = identification.identify(fn, module)
     assert not isinstance(variant, str) and variant.name == name, variant
     arms = Arms(False, "doubles", "", gluon_contract_reference, fn, variant)
     return Routed(patched_call(arms, ws)), heads
@@ -316,3 +316,46 @@ def test_each_variant_runs_without_sync_and_captures(name, aiter_as):
         )
         result = compare_in_windows(want, out, read_window_ends(fresh.context_lens, B * 2, 2), topk=256)
         assert result.nan_free and result.ok(0), result.describe()
+
+
+def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
+    """A FlyDSL row's wg_per_cu reaches the gfx950 launch as SplitKV on a real GPU: no host sync,
+    captured into a graph, and replayed with the measured knob (aiter.CALLS records what was passed)."""
+    import io
+
+    import aiter
+
+    from vllm_flydsl_indexer import kernels, tuning
+
+    ws = Workspace(B * 2, MML, torch.device("cuda"))
+    router, heads = variant_router("gfx950", ws, aiter_as)
+    cus = kernels.cu_count(torch.device("cuda"))
+    header = ",".join(tuning.COLUMNS)
+    text = f"{header}\ngfx950,{cus},1,2,{heads},128,64,True,8192,flydsl,0,0,2,1.0,2.0,1.0\n"
+    router.router.table = tuning.parse(io.StringIO(text), "t.csv", "gfx950")
+    static = problem(30, heads=heads)
+    static_args = (*args_of(static), None, MML)
+    aiter.CALLS.clear()
+    router(*static_args)  # eager: compile and announce
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        router(*static_args)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = router(*static_args)
+    expected_split = kernels.explicit_split_kv(cus, B, MML, KVB, 2)
+    assert expected_split != kernels.explicit_split_kv(cus, B, MML, KVB)  # the knob, not the default
+    assert [kw["SplitKV"] for name, kw in aiter.CALLS] == [expected_split] * 3
+    assert router.calls_taken == 3 and router.calls_delegated == 0
+    fresh = problem(31, heads=heads)
+    for dst, src in zip(args_of(static), args_of(fresh), strict=True):
+        dst.copy_(src)
+    ws.buffer.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = expected(fresh)
+    result = compare_in_windows(want, out, read_window_ends(fresh.context_lens, B * 2, 2), topk=256)
+    assert result.nan_free and result.ok(0), result.describe()

@@ -18,7 +18,7 @@ import torch
 from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from test_kernel_variants import SYNC_OPS, SyncAudit
-from vllm_flydsl_indexer import envs, kernels, patch
+from vllm_flydsl_indexer import envs, identification, kernels, patch
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.tools.models import HEADS, eligible_configs
@@ -32,7 +32,7 @@ GLM5NEXT_KPOOL_SITE = "vllm.models.glm5next.amd.sparse_indexer"
 
 def early_variant() -> kernels.KernelVariant:
     module = importlib.import_module(EARLY_MODULE)
-    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert isinstance(variant, kernels.KernelVariant), variant
     return variant
 
@@ -61,7 +61,7 @@ def test_the_earlier_revision_is_identified_with_its_own_limits():
     assert "index_dim=136 is not 132" in limits.violation(64, 128, 64, 136, 1)
     # The later revision keeps its own: heads 32 only, next_n up to MAX_NN.
     later = importlib.import_module(LATER_MODULE)
-    later_variant = kernels.identify(later.flydsl_fp8_paged_mqa_logits, later)
+    later_variant = identification.identify(later.flydsl_fp8_paged_mqa_logits, later)
     assert later_variant.name == "gfx950" and later_variant.limits.heads == {32}
     assert later_variant.limits.max_next_n == 8
 
@@ -71,7 +71,7 @@ def test_its_limits_follow_its_module_constants(monkeypatch):
     monkeypatch.setattr(module, "SUPPORTED_HEADS", (32,))
     assert early_variant().limits.heads == {32}
     monkeypatch.setattr(module, "SUPPORTED_HEADS", "32,64")
-    reason = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    reason = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert "lacks readable SUPPORTED_HEADS" in reason
 
 
@@ -113,7 +113,7 @@ def test_the_next_n_range_is_read_from_the_wrappers_check(check, expected):
             return out
         """
     )
-    found = kernels.gfx950_next_n_values(fn)
+    found = identification.gfx950_next_n_values(fn)
     if isinstance(expected, frozenset):
         assert found == expected
     else:
@@ -122,8 +122,10 @@ def test_the_next_n_range_is_read_from_the_wrappers_check(check, expected):
 
 def test_a_wrapper_whose_next_n_check_cannot_be_read_stays_stock(monkeypatch):
     module = importlib.import_module(EARLY_MODULE)
-    monkeypatch.setattr(kernels, "gfx950_next_n_values", lambda fn: "source unreadable: OSError: no file")
-    reason = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    monkeypatch.setattr(
+        identification, "gfx950_next_n_values", lambda fn: "source unreadable: OSError: no file"
+    )
+    reason = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert "next_n range cannot be read from its source (source unreadable" in reason
 
 

@@ -13,7 +13,9 @@ aiter without any, and one whose import raises.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import importlib.metadata
 import logging
 import types
 
@@ -22,7 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_agreement import poison_workspace
-from vllm_flydsl_indexer import envs, kernels, patch
+from vllm_flydsl_indexer import envs, identification, kernels, patch
+from vllm_flydsl_indexer import router as router_module
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.router import FlyDSLRouter
@@ -42,13 +45,13 @@ def gfx950_module():
 
 def test_general_kernel_is_identified():
     module = importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits")
-    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert variant.name == "general" and variant.limits == kernels.Limits()
 
 
 def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
     module = gfx950_module()
-    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert variant.name == "gfx950"
     assert variant.limits.heads == {32} and variant.limits.head_dims == {128}
     assert variant.limits.block_sizes == {64} and variant.limits.index_dim == 132
@@ -57,7 +60,7 @@ def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
     # next_n_lens and no MAX_NN, so it is refused: see test_unknown_api_shapes_are_refused).
     monkeypatch.setattr(module, "NUM_HEADS", (32, 64))
     monkeypatch.setattr(module, "MAX_NN", 2)
-    early = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    early = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert early.limits.heads == {32, 64} and early.limits.max_next_n == 2
     assert {(h, b, n) for _, h, _, b, n in eligible_configs(early)} == {
         (64, 64, 1),
@@ -66,7 +69,7 @@ def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
         (32, 64, 2),
     }
     monkeypatch.delattr(module, "INDEX_DIM")
-    assert "lacks readable INDEX_DIM" in kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert "lacks readable INDEX_DIM" in identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
 
 
 def test_unknown_api_shapes_are_refused():
@@ -105,17 +108,17 @@ def test_unknown_api_shapes_are_refused():
     ):
         return out
 
-    assert "unknown shape" in kernels.identify(no_knobs, None)
-    assert "lacks keyword-only Preshuffle, KVBlockSize" in kernels.identify(positional_knobs, None)
-    assert "without a keyword-only SplitKV" in kernels.identify(gfx950_without_split, None)
-    assert "lacks keyword-only Preshuffle" in kernels.identify(first_gfx950, None)
-    reason = kernels.identify(heads_32_64_gfx950, None)
+    assert "unknown shape" in identification.identify(no_knobs, None)
+    assert "lacks keyword-only Preshuffle, KVBlockSize" in identification.identify(positional_knobs, None)
+    assert "without a keyword-only SplitKV" in identification.identify(gfx950_without_split, None)
+    assert "lacks keyword-only Preshuffle" in identification.identify(first_gfx950, None)
+    reason = identification.identify(heads_32_64_gfx950, None)
     assert "like the earlier gfx950 kernel, but its module lacks readable SUPPORTED_HEADS" in reason
 
     def early_without_split(q, kv, w, out, ctx, bt, mml, *, Preshuffle=True, KVBlockSize=64):
         return out
 
-    assert "no keyword-only SplitKV" in kernels.identify(early_without_split, None)
+    assert "no keyword-only SplitKV" in identification.identify(early_without_split, None)
 
 
 def padded_q_module():
@@ -135,10 +138,10 @@ def test_padded_q_gfx950_revision_is_told_apart_by_its_source_alone():
     )
     assert [getattr(nn, c) for c in GFX950_CONSTANTS] == [getattr(padded, c) for c in GFX950_CONSTANTS]
     # ... only the wrapper's check of q.shape[1] against MAX_NN differs.
-    assert kernels.gfx950_q_contract(nn.flydsl_fp8_paged_mqa_logits) == kernels.Q_NEXT_N
-    assert kernels.gfx950_q_contract(padded.flydsl_fp8_paged_mqa_logits) == kernels.Q_PADDED
-    assert kernels.identify(nn.flydsl_fp8_paged_mqa_logits, nn).name == "gfx950"
-    reason = kernels.identify(padded.flydsl_fp8_paged_mqa_logits, padded)
+    assert identification.gfx950_q_contract(nn.flydsl_fp8_paged_mqa_logits) == identification.Q_NEXT_N
+    assert identification.gfx950_q_contract(padded.flydsl_fp8_paged_mqa_logits) == identification.Q_PADDED
+    assert identification.identify(nn.flydsl_fp8_paged_mqa_logits, nn).name == "gfx950"
+    reason = identification.identify(padded.flydsl_fp8_paged_mqa_logits, padded)
     assert isinstance(reason, str)
     assert "takes q padded to next_n 8" in reason and "not supported, stock path kept" in reason
 
@@ -156,8 +159,8 @@ def test_gfx950_api_whose_source_cannot_be_read_keeps_stock():
         namespace,
     )
     fn = namespace["flydsl_fp8_paged_mqa_logits"]
-    assert kernels.gfx950_q_contract(fn).startswith("source unreadable")
-    reason = kernels.identify(fn, constants)
+    assert identification.gfx950_q_contract(fn).startswith("source unreadable")
+    reason = identification.identify(fn, constants)
     assert "q contract cannot be read from its source" in reason
 
     # A wrapper that checks q.shape[1] neither way is not guessed at either.
@@ -167,7 +170,9 @@ def test_gfx950_api_whose_source_cannot_be_read_keeps_stock():
         b, n, h, d = q.shape
         return out
 
-    assert kernels.gfx950_q_contract(unchecked).startswith("neither of a range check and an equality check")
+    assert identification.gfx950_q_contract(unchecked).startswith(
+        "neither of a range check and an equality check"
+    )
 
 
 def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
@@ -175,7 +180,7 @@ def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
 
     fork = types.ModuleType("aiter.paged_mqa_logits")
     fork.paged_mqa_logits = lambda *a, **k: None  # an OPUS function of another fork: no config lookup
-    assert "not aiter's tuned dispatcher" in kernels.identify_dispatcher(fork, "fork")
+    assert "not aiter's tuned dispatcher" in identification.identify_dispatcher(fork, "fork")
 
 
 @pytest.mark.parametrize(
@@ -195,7 +200,7 @@ def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
 )
 def test_find_kernel_in_each_aiter_situation(aiter_as, flydsl, dispatcher, expected):
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
-    lookup = kernels.find_kernel()
+    lookup = identification.find_kernel()
     assert (lookup.variant.name if lookup.variant else None) == expected, lookup.reason
     if flydsl == "broken-import":
         assert "RuntimeError: double: flydsl version does not match this aiter" in lookup.reason
@@ -286,7 +291,7 @@ class SyncAudit(TorchDispatchMode):
 
 def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
     module = gfx950_module()
-    variant = kernels.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
     p = make_paged_problem([500, 64, 3], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
     args = p.call_args()
     from conftest import Recorder, hooks
@@ -318,8 +323,23 @@ def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
         RuntimeError("JIT compilation failed"),
     ],
 )
-def test_a_raising_kernel_never_reaches_vllm(target, workspace, installed, aiter_calls, plugin_log, error):
+def test_a_raising_kernel_never_reaches_vllm(
+    target, workspace, installed, aiter_calls, plugin_log, error, monkeypatch
+):
     raised = []
+    flydsl, aiter = "0.5.0", "0.1.9"
+    versions = {"flydsl": flydsl, "amd-aiter": aiter}
+
+    def version(dist: str) -> str:
+        if dist not in versions:
+            raise importlib.metadata.PackageNotFoundError(dist)
+        return versions[dist]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    # A fresh once-only cache for this test (the real one is restored afterwards).
+    monkeypatch.setattr(
+        router_module, "_stack_versions", functools.cache(router_module._stack_versions.__wrapped__)
+    )
 
     def raising(*a, **k):
         raised.append(1)
@@ -343,7 +363,9 @@ def test_a_raising_kernel_never_reaches_vllm(target, workspace, installed, aiter
     errors = [r.getMessage() for r in plugin_log if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "heads=64 head_dim=128 KVBlockSize=64 next_n=2" in errors[0]
-    assert f"raised {type(error).__name__}: {error}" in errors[0]
+    assert f"raised {type(error).__name__}: {error} (flydsl {flydsl}, aiter {aiter})." in errors[0]
+    versions.clear()
+    assert router_module._stack_versions.__wrapped__() == "flydsl unknown, aiter unknown"
     # Another configuration still runs FlyDSL.
     router.variant = dataclasses.replace(router.variant, fn=real_fn)
     q = make_paged_problem([150, 9], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)

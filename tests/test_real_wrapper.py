@@ -12,8 +12,11 @@ with exactly the arguments it passes in production, and the test asserts:
   nor for another batch size and ``max_model_len`` (the router marks a
   configuration compiled after its first call and then allows it inside graph
   capture);
-* what it compiled is a gfx950 code object (target and ELF header).
-
+* what it compiled is a gfx950 code object, read from the object itself: an
+  AMDGPU ELF (``e_machine`` 224) whose ``e_flags`` name gfx950 (0x4F) and whose
+  metadata note says ``amdhsa.target`` ``amdgcn-amd-amdhsa-[unknown]-gfx950``,
+  not what flydsl was asked to compile for (flydsl 0.5.0 no longer passes an
+  ``arch`` to its compile step);
 * the wrapper received exactly the keyword arguments the router computes
   (:meth:`KernelVariant.launch_kwargs`), an explicit ``SplitKV`` included for
   both gfx950 revisions.
@@ -28,9 +31,13 @@ The variable may list several checkouts, separated by ``:``: a git checkout of
 aiter, or a directory assembled from public aiter files at given commits (the
 gfx950 revisions; the README lists the files), each parametrizing the tests.
 
-It needs flydsl (the version the checkout pins) in this environment and an
-LLVM 19+ ``ld.lld`` (``VLLM_FLYDSL_INDEXER_LD_LLD``, ``$ROCM_PATH/llvm/bin``,
-``ld.lld-NN`` or ``/usr/lib/llvm-NN/bin``); it skips with the reason otherwise.
+It needs flydsl in this environment (the version the checkout pins, or any
+other: 0.3.1, 0.4.2 and 0.5.0 were run; one layered on ``PYTHONPATH`` is the
+one used, since the helper's process keeps this ``PYTHONPATH`` after the
+plugin's ``src``) and an LLVM 19+ ``ld.lld`` (``VLLM_FLYDSL_INDEXER_LD_LLD``,
+``$ROCM_PATH/llvm/bin``, ``ld.lld-NN`` or ``/usr/lib/llvm-NN/bin``); it skips
+with the reason otherwise. The flydsl that compiled (version and path) is in
+every assertion message, in the skip reasons and on a line of its own.
 """
 
 from __future__ import annotations
@@ -57,6 +64,9 @@ SRC = TESTS.parent / "src"
 EM_AMDGPU = 224
 EF_AMDGPU_MACH = 0x0FF
 EF_AMDGPU_MACH_AMDGCN_GFX950 = 0x04F
+# The code object's amdhsa.target: "amdgcn-amd-amdhsa--gfx950", or with the triple's
+# environment spelled "unknown" (what flydsl 0.3.1-0.5.0 produce), features after a ':'.
+AMDHSA_TARGET_GFX950 = re.compile(r"amdgcn-amd-amdhsa-(unknown)?-gfx950(:.*)?")
 CALL_LABELS = ("first", "same shapes again", "other batch and length")
 KNOWN_VARIANTS = ("general", "gfx950", "gfx950-early")
 # The gfx950 wrappers must always get an explicit SplitKV from the router.
@@ -137,9 +147,21 @@ def compile_env(tmp_path_factory) -> dict[str, str]:
         ARCH="gfx950",
         FLYDSL_GPU_ARCH="gfx950",
         ROCM_PATH=str(rocm),
-        PYTHONPATH=str(SRC),
+        # Prepended, not replaced: a flydsl (or torch) layered on PYTHONPATH stays the one imported.
+        PYTHONPATH=os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
     )
     return env
+
+
+def flydsl_here() -> str:
+    """Where this process would import flydsl from (the helper's process must use the same)."""
+    spec = importlib.util.find_spec("flydsl")
+    return str(Path(spec.origin).resolve().parent) if spec and spec.origin else "?"
+
+
+def flydsl_line(result: dict) -> str:
+    used = result.get("flydsl") or {}
+    return f"flydsl {used.get('version')} at {used.get('path')}"
 
 
 @pytest.fixture(scope="module")
@@ -169,21 +191,28 @@ def run_config(checkout, compile_env, tmp_path_factory):
     return run
 
 
-def test_identifies_the_checkouts_flydsl_kernel(run_config, checkout):
+def test_identifies_the_checkouts_flydsl_kernel(run_config, checkout, capsys):
     _, heads, head_dim, block_size, next_n = CONFIGS[0]
     result = run_config(heads, head_dim, block_size, next_n)
+    used = flydsl_line(result)
+    with capsys.disabled():  # one visible line per checkout, whatever pytest captures
+        print(f"\n[real_wrapper] {checkout.name}: compiled by {used}")
+    assert Path(result["flydsl"]["path"]).resolve() == Path(flydsl_here()), (
+        f"the helper imported {used}, this process imports flydsl from {flydsl_here()}"
+    )
     missing = [p for p in result["problems"] if "ModuleNotFoundError: No module named 'aiter." in p]
     if result["variant"] is None and missing:
         pytest.skip(f"{checkout} cannot be imported whole (its kernel imports a missing module): {missing}")
     assert result["variant"] in KNOWN_VARIANTS, (
-        f"kernels.identify found no FlyDSL kernel API it knows: {result.get('unknown')}; "
-        f"probes: {result['problems']}"
+        f"identification.identify found no FlyDSL kernel API it knows: {result.get('unknown')}; "
+        f"probes: {result['problems']}; {used}"
     )
     assert Path(result["fn_file"]).resolve().is_relative_to(checkout), (
         f"the kernel came from {result['fn_file']}, not from {checkout}"
     )
-    assert result["eligible"], f"the {result['variant']} kernel takes none of the model shapes"
-    print(f"{checkout}: {result['variant']} kernel at {result['location']}; takes {result['eligible']}")
+    assert result["eligible"], f"the {result['variant']} kernel takes none of the model shapes ({used})"
+    variant, location = result["variant"], result["location"]
+    print(f"{checkout} ({used}): {variant} kernel at {location}, takes {result['eligible']}")
 
 
 @pytest.mark.parametrize(
@@ -193,30 +222,39 @@ def test_identifies_the_checkouts_flydsl_kernel(run_config, checkout):
 )
 def test_router_launch_compiles_once_for_gfx950(run_config, model, heads, head_dim, block_size, next_n):
     result = run_config(heads, head_dim, block_size, next_n)
+    used = flydsl_line(result)
     if result.get("ineligible"):
-        pytest.skip(f"the {result['variant']} kernel does not take {model}'s shape: {result['ineligible']}")
+        pytest.skip(
+            f"the {result['variant']} kernel does not take {model}'s shape: {result['ineligible']} "
+            f"(flydsl {result['flydsl']['version']})"
+        )
     calls, compiles, log = result["calls"], result["compiles"], result["log"]
-    assert [c["label"] for c in calls] == list(CALL_LABELS)
-    assert result["router_failed"] is None, f"the wrapper raised: {result['router_failed']}\n{log}"
-    assert [c["taken_so_far"] for c in calls] == [1, 2, 3], f"the router sent calls to stock: {log}"
-    assert [c["delegated_so_far"] for c in calls] == [0, 0, 0], log
+    assert [c["label"] for c in calls] == list(CALL_LABELS), used
+    assert result["router_failed"] is None, f"the wrapper raised ({used}): {result['router_failed']}\n{log}"
+    assert [c["taken_so_far"] for c in calls] == [1, 2, 3], f"the router sent calls to stock ({used}): {log}"
+    assert [c["delegated_so_far"] for c in calls] == [0, 0, 0], f"{used}: {log}"
     assert [c["kwargs"] for c in calls] == [[c["expected_kwargs"]] for c in calls], (
-        "the wrapper did not receive exactly the router's launch arguments"
+        f"the wrapper did not receive exactly the router's launch arguments ({used})"
     )
     if result["variant"] in EXPLICIT_SPLIT_KV:
-        assert all(isinstance(c["expected_kwargs"].get("SplitKV"), int) for c in calls), calls
-    assert result["router_compiled"], "the router did not record the configuration as compiled"
+        assert all(isinstance(c["expected_kwargs"].get("SplitKV"), int) for c in calls), (used, calls)
+    assert result["router_compiled"], f"the router did not record the configuration as compiled ({used})"
     assert [c["compiles_so_far"] for c in calls] == [1, 1, 1], (
-        f"flydsl compiles after each call: {[c['compiles_so_far'] for c in calls]} (want one, on the first)"
+        f"{used} compiles after each call: {[c['compiles_so_far'] for c in calls]} (want one, on the first)"
     )
     (compiled,) = compiles
-    assert compiled["arch"] == "gfx950"
-    assert compiled["objects"], "the compiled module holds no GPU object"
+    assert compiled["objects"], f"the module {used} compiled holds no GPU object"
     for obj in compiled["objects"]:
-        assert 'chip = "gfx950"' in obj["target"], obj
-        assert obj["elf"] and obj["e_machine"] == EM_AMDGPU, obj
+        assert obj["elf"], f"{used} produced a GPU object that is no 64-bit little-endian ELF: {obj}"
+        assert obj["e_machine"] == EM_AMDGPU, f"{used}: ELF e_machine {obj['e_machine']}, not AMDGPU: {obj}"
         assert obj["e_flags"] & EF_AMDGPU_MACH == EF_AMDGPU_MACH_AMDGCN_GFX950, (
-            f"ELF e_flags {obj['e_flags']:#x}: not an AMDGCN gfx950 code object"
+            f"{used}: ELF e_flags {obj['e_flags']:#x}, not an AMDGCN gfx950 code object: {obj}"
+        )
+        targets = obj["amdhsa_targets"]
+        assert targets and all(AMDHSA_TARGET_GFX950.fullmatch(t) for t in targets), (
+            f"{used}: the code object's amdhsa.target is {targets}, not gfx950's: {obj}"
         )
     shape = f"{model} H{heads} D{head_dim} KVB{block_size} nn{next_n}"
-    print(f"{result['variant']} {shape}: {compiled['kernels']}, {[c['kwargs'][0] for c in calls]}")
+    targets = sorted({t for obj in compiled["objects"] for t in obj["amdhsa_targets"]})
+    kwargs = [c["kwargs"][0] for c in calls]
+    print(f"{result['variant']} {shape} ({used}): {compiled['kernels']} -> {targets}, {kwargs}")

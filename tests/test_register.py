@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from vllm_flydsl_indexer import envs, gates, kernels, patch
+from vllm_flydsl_indexer import envs, gates, identification, patch
 from vllm_flydsl_indexer.target import MARKER
 
 TARGET = "rocm_fp8_paged_mqa_logits"
@@ -38,6 +38,9 @@ def test_active_under_gfx950_simulation_logs_one_line(target, original, installe
     assert msgs[0].startswith("vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE")
     assert plugin_log[0].levelno == logging.INFO
     assert "aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits" in msgs[0]
+    # ACTIVE is never a silent promise for every model: the line says who reaches it and who tells.
+    assert "only models whose FP8 indexer calls it on a layer-contiguous cache reach it" in msgs[0]
+    assert msgs[0].endswith("vllm-flydsl-indexer doctor --model MODEL tells whether yours does)")
     wrapper = vars(target)[TARGET]
     assert wrapper is not original and wrapper.__wrapped__ is original
     patch.uninstall()
@@ -129,7 +132,7 @@ def _fail_gate(monkeypatch, gate):
         monkeypatch.setattr(rocm, "_GCN_ARCH", "gfx942:sramecc+:xnack-")
         return "not gfx950 (vLLM reports gfx942"
     if gate == "kernel":
-        monkeypatch.setattr(kernels, "KERNEL_MODULES", ("aiter.ops.flydsl_missing",))
+        monkeypatch.setattr(identification, "KERNEL_MODULES", ("aiter.ops.flydsl_missing",))
         return "aiter.ops.flydsl_missing: ModuleNotFoundError"
     if gate == "target":
         import vllm.v1.attention.ops.rocm_aiter_mla_sparse as t
@@ -179,8 +182,8 @@ def test_kernel_probe_reports_non_import_errors(monkeypatch):
         raise RuntimeError("flydsl 0.0.9 does not match aiter's pin")
 
     monkeypatch.setitem(sys.modules, "aiter_broken_probe", broken)
-    monkeypatch.setattr(kernels.importlib, "import_module", boom)
-    result = kernels.find_kernel()
+    monkeypatch.setattr(identification.importlib, "import_module", boom)
+    result = identification.find_kernel()
     assert result.variant is None
     assert "RuntimeError: flydsl 0.0.9 does not match aiter's pin" in result.reason
 
@@ -192,8 +195,8 @@ def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
         return out
 
     monkeypatch.setattr(fly, "flydsl_fp8_paged_mqa_logits", flydsl_fp8_paged_mqa_logits)
-    monkeypatch.setattr(kernels, "KERNEL_MODULES", ("aiter.ops.flydsl",))
-    result = kernels.find_kernel()
+    monkeypatch.setattr(identification, "KERNEL_MODULES", ("aiter.ops.flydsl",))
+    result = identification.find_kernel()
     assert result.variant is None and "lacks keyword-only Preshuffle, KVBlockSize" in result.reason
 
 

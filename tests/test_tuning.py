@@ -19,7 +19,8 @@ from vllm_flydsl_indexer.tools.reference import make_paged_problem
 HEADER = ",".join(tuning.COLUMNS)
 
 
-def row(gfx="gfx950", cu=1, batch=4, next_n=1, heads=32, kvb=64, ctx=4096, backend="flydsl"):
+def row(gfx="gfx950", cu=1, batch=4, next_n=1, heads=32, kvb=64, ctx=4096, backend="flydsl", wg=0):
+    """One row as aiter's tuner writes it: each backend's own knobs, 0 for the other's."""
     fields = [
         gfx,
         cu,
@@ -31,9 +32,9 @@ def row(gfx="gfx950", cu=1, batch=4, next_n=1, heads=32, kvb=64, ctx=4096, backe
         int(kvb > 1),
         ctx,
         backend,
-        256,
-        2,
-        3,
+        256 if backend == "gluon" else 0,
+        2 if backend == "gluon" else 0,
+        wg if backend == "flydsl" else 0,
         10.0,
         12.0,
         10.0,
@@ -49,34 +50,40 @@ def parse(*rows: str, gfx="gfx950") -> tuning.TunedTable:
     return tuning.parse(io.StringIO(table_text(*rows)), "t.csv", gfx)
 
 
+def choice(table: tuning.TunedTable, *args: int) -> tuple[str, int] | None:
+    """The table's (arm, bucket) for a call, as aiter's lookup gives it."""
+    pick = table.choice(*args)
+    return None if pick is None else (pick.backend, pick.bucket)
+
+
 def test_lookup_takes_the_largest_tuned_batch_at_or_below_the_call():
     t = parse(row(batch=4, backend="gluon"), row(batch=16), row(batch=64, backend="gluon"), row(gfx="gfx942"))
     assert t.rows == 3
-    assert t.choice(1, 3, 1, 32, 128, 64) is None  # below every tuned batch: not covered
-    assert t.choice(1, 4, 1, 32, 128, 64) == ("gluon", 4)
-    assert t.choice(1, 15, 1, 32, 128, 64) == ("gluon", 4)
-    assert t.choice(1, 16, 1, 32, 128, 64) == ("flydsl", 16)
-    assert t.choice(1, 63, 1, 32, 128, 64) == ("flydsl", 16)
-    assert t.choice(1, 500, 1, 32, 128, 64) == ("gluon", 64)
+    assert choice(t, 1, 3, 1, 32, 128, 64) is None  # below every tuned batch: not covered
+    assert choice(t, 1, 4, 1, 32, 128, 64) == ("gluon", 4)
+    assert choice(t, 1, 15, 1, 32, 128, 64) == ("gluon", 4)
+    assert choice(t, 1, 16, 1, 32, 128, 64) == ("flydsl", 16)
+    assert choice(t, 1, 63, 1, 32, 128, 64) == ("flydsl", 16)
+    assert choice(t, 1, 500, 1, 32, 128, 64) == ("gluon", 64)
     # Other shapes and other GPUs are not covered.
-    assert t.choice(1, 16, 2, 32, 128, 64) is None
-    assert t.choice(1, 16, 1, 64, 128, 64) is None
-    assert t.choice(1, 16, 1, 32, 128, 1) is None
-    assert t.choice(256, 16, 1, 32, 128, 64) is None
+    assert choice(t, 1, 16, 2, 32, 128, 64) is None
+    assert choice(t, 1, 16, 1, 64, 128, 64) is None
+    assert choice(t, 1, 16, 1, 32, 128, 1) is None
+    assert choice(t, 256, 16, 1, 32, 128, 64) is None
 
 
 def test_a_bucket_goes_to_flydsl_only_if_every_context_length_says_so():
     t = parse(row(batch=8, ctx=4096), row(batch=8, ctx=65536, backend="gluon"), row(batch=32, ctx=4096))
-    assert t.choice(1, 8, 1, 32, 128, 64) == ("gluon", 8)
-    assert t.choice(1, 40, 1, 32, 128, 64) == ("flydsl", 32)
+    assert choice(t, 1, 8, 1, 32, 128, 64) == ("gluon", 8)
+    assert choice(t, 1, 40, 1, 32, 128, 64) == ("flydsl", 32)
 
 
 def test_aiters_own_table_lists_context_lengths_with_semicolons():
     """aiter PR #6140's shipped table writes ``8192;32768`` in context_len: the table stays usable."""
     t = parse(row(batch=64, ctx="8192;32768"), row(batch=16, ctx="8192;32768", backend="gluon"))
     assert t.rows == 2
-    assert t.choice(1, 64, 1, 32, 128, 64) == ("flydsl", 64)
-    assert t.choice(1, 32, 1, 32, 128, 64) == ("gluon", 16)
+    assert choice(t, 1, 64, 1, 32, 128, 64) == ("flydsl", 64)
+    assert choice(t, 1, 32, 1, 32, 128, 64) == ("gluon", 16)
 
 
 # Where aiter's shipped table (PR #6140, revision 39029932: gfx950, 256 CUs, heads 32, KVB 64,
@@ -112,13 +119,13 @@ def test_rows_above_next_n_2_are_parsed_and_decide_only_their_own_next_n():
     for next_n, flydsl in SHIPPED_FLYDSL.items():
         for batch in SHIPPED_BATCHES:
             expected = "flydsl" if batch in flydsl else "gluon"
-            assert t.choice(256, batch, next_n, 32, 128, 64) == (expected, batch), (next_n, batch)
+            assert choice(t, 256, batch, next_n, 32, 128, 64) == (expected, batch), (next_n, batch)
     # vLLM's calls: next_n 1 (plain decode, and speculative decode flattened to one row per
     # token) and 2 (native MTP) see only their own rows, whatever next_n 3..8 measured.
-    assert t.choice(256, 128, 1, 32, 128, 64) == ("gluon", 128)  # FlyDSL at 128 for next_n 4..8
-    assert t.choice(256, 4 * 32, 1, 32, 128, 64) == ("gluon", 128)  # 32 requests, 3 draft tokens, flattened
-    assert t.choice(256, 64, 2, 32, 128, 64) == ("gluon", 64)  # FlyDSL at 64 for next_n 8
-    assert t.choice(256, 64, 9, 32, 128, 64) is None  # no row: not covered
+    assert choice(t, 256, 128, 1, 32, 128, 64) == ("gluon", 128)  # FlyDSL at 128 for next_n 4..8
+    assert choice(t, 256, 4 * 32, 1, 32, 128, 64) == ("gluon", 128)  # 32 requests, 3 draft tokens, flattened
+    assert choice(t, 256, 64, 2, 32, 128, 64) == ("gluon", 64)  # FlyDSL at 64 for next_n 8
+    assert choice(t, 256, 64, 9, 32, 128, 64) is None  # no row: not covered
     assert [s["next_n"] for s in tuning.describe(t)] == list(range(1, 9))
 
 
@@ -136,23 +143,59 @@ def test_rows_above_next_n_2_never_decide_vllms_calls(target, tuned, aiter_calls
     assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
 
 
+def cells(text: str, **values: object) -> str:
+    """``text`` (one row) with the named columns' cells replaced."""
+    fields = text.split(",")
+    for column, value in values.items():
+        fields[tuning.COLUMNS.index(column)] = str(value)
+    return ",".join(fields)
+
+
 @pytest.mark.parametrize(
     "text,message",
     [
         (HEADER.replace(",wg_per_cu", "") + "\n", "missing column(s) wg_per_cu"),
-        (table_text(row(ctx="8192;x")), "line 2: invalid literal"),
-        (table_text(row(ctx=";")), "line 2: context_len is empty"),
-        (table_text(row(), row(batch="x")), "line 3: invalid literal"),
-        (table_text(row(), row(backend="triton")), "line 3: backend 'triton' is not flydsl or gluon"),
-        (table_text(row(batch=0)), "line 2: sizes must be positive"),
-        (table_text(row().replace(",1,4096,", ",maybe,4096,")), "line 2: 'maybe' is not 1/0/true/false"),
+        (table_text(row(ctx="8192;x")), "line 2, column context_len: 'x' is not an integer"),
+        (table_text(row(ctx=";")), "line 2, column context_len: is empty"),
+        (table_text(row(ctx="0")), "line 2, column context_len: 0 is not positive"),
+        (table_text(row(), row(batch="x")), "line 3, column batch_size: 'x' is not an integer"),
+        (table_text(row(), row(batch="2.5")), "line 3, column batch_size: '2.5' is not an integer"),
+        (table_text(row(), row(backend="triton")), "line 3, column backend: 'triton' is not flydsl or gluon"),
+        (table_text(row(batch=0)), "line 2, column batch_size: 0 is not positive"),
+        (table_text(row(cu=-1)), "line 2, column cu_num: -1 is not positive"),
+        (table_text(cells(row(), gfx=" ")), "line 2, column gfx: is empty"),
+        (
+            table_text(cells(row(), preshuffle="maybe")),
+            "line 2, column preshuffle: 'maybe' is not 1/0/true/false",
+        ),
+        # Every knob and time column, not only the lookup key.
+        (table_text(cells(row(), wg_per_cu="abc")), "line 2, column wg_per_cu: 'abc' is not an integer"),
+        (table_text(cells(row(), wg_per_cu="-1")), "line 2, column wg_per_cu: -1 is not >= 0"),
+        (table_text(cells(row(), ChunkK="x")), "line 2, column ChunkK: 'x' is not an integer"),
+        (table_text(cells(row(), WavePerEU="")), "line 2, column WavePerEU: '' is not an integer"),
+        (
+            table_text(row(backend="gluon").replace(",256,2,", ",0,2,")),
+            "line 2, column ChunkK: 0 is not positive",
+        ),
+        (table_text(cells(row(), us="fast")), "line 2, column us: 'fast' is not a number of microseconds"),
+        (table_text(cells(row(), us="")), "line 2, column us: '' is not a number of microseconds"),
+        (table_text(cells(row(), gluon_us="nan")), "line 2, column gluon_us: 'nan' is not a finite"),
+        (table_text(cells(row(), flydsl_us="inf")), "line 2, column flydsl_us: 'inf' is not a finite"),
+        (table_text(cells(row(), flydsl_us="-1")), "line 2, column flydsl_us: '-1' is not a finite"),
+        # A row cut short, or one with a cell too many.
+        (table_text(row(), "gfx950,1,2"), "line 3, column next_n: is missing (the row is short)"),
+        (
+            table_text(row() + ",7"),
+            "line 2, after column flydsl_us: 1 more cell(s) than the header's 16 columns",
+        ),
         (HEADER + "\n", "no rows"),
         (table_text(row(gfx="gfx942")), "no rows for gfx950 (of 1)"),
     ],
 )
 def test_a_bad_table_is_refused_whole(text, message):
-    with pytest.raises(tuning.TableError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(tuning.TableError) as refused:
         tuning.parse(io.StringIO(text), "t.csv", "gfx950")
+    assert str(refused.value).startswith("t.csv: ") and message in str(refused.value)
 
 
 def test_load_warns_once_and_ignores_a_bad_or_missing_file(tmp_path, plugin_log):
@@ -185,10 +228,15 @@ def tuned(target, workspace, monkeypatch, fresh_register, plugin_log, tmp_path):
     return install
 
 
-def run_batch(target, installed, calls, batch, next_n=1, heads=32) -> list[str]:
-    """Stock and patched on one fresh problem; asserts agreement, returns the patched call's arms."""
+def run_batch(target, installed, calls, batch, next_n=1, heads=32, min_len=None) -> list[str]:
+    """Stock and patched on one fresh problem; asserts agreement, returns the patched call's arms.
+
+    ``min_len``: lengths from there up (default ``next_n``), e.g. so that ``max_model_len``'s pages
+    do not cap SplitKV.
+    """
+    low = next_n if min_len is None else min_len
     p = make_paged_problem(
-        torch.randint(next_n, 300, (batch,), generator=torch.Generator().manual_seed(batch)).tolist(),
+        torch.randint(low, low + 300, (batch,), generator=torch.Generator().manual_seed(batch)).tolist(),
         next_n=next_n,
         heads=heads,
         head_dim=128,
@@ -293,7 +341,7 @@ def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsy
     assert table.rows == 4 and table.cu_counts() == {1}
     for kvb in (64, 1):
         for batch in (1, 2):
-            backend, bucket = table.choice(1, batch, 1, 32, 128, kvb)
+            backend, bucket = choice(table, 1, batch, 1, 32, 128, kvb)
             assert bucket == batch and backend in ("flydsl", "gluon")
     # The gfx950 rows kept from before are untouched; no GPU arch ever matches the reference rows.
     assert tuning.parse(io.StringIO(path.read_text()), str(path), "gfx950").rows == 1
@@ -333,10 +381,251 @@ def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
     (shape,) = table["shapes"]
     assert shape["buckets"] == [
         {"batch_at_least": 1, "arm": "stock"},
-        {"batch_at_least": 64, "arm": "flydsl"},
+        {"batch_at_least": 64, "arm": "flydsl", "wg_per_cu": 0},
     ]
     assert "256 CUs, heads=32 head_dim=128 KVB=64 next_n=1: B>=1: stock, B>=64: flydsl" in doctor.render(data)
     path.write_text(table_text(row(backend="?")))
     assert doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})["tuned_table"]["note"].startswith(
         "IGNORED"
     )
+
+
+# ---------------------------------------------------------------- the row's knob reaches the launch
+
+
+def launched_split_kv(calls) -> list[int]:
+    return [kwargs["SplitKV"] for name, kwargs in calls if name == "flydsl-gfx950"]
+
+
+def test_a_flydsl_rows_wg_per_cu_is_the_launchs_split_kv(target, tuned, aiter_as, aiter_calls, plugin_log):
+    """gfx950 simulation (1 CU): SplitKV = max(1, min(pages, ceil(1 * wg_per_cu / batch))), as aiter's
+    dispatcher computes it; the default (3) only where no row or a 0 row decided."""
+    from vllm_flydsl_indexer import kernels
+
+    aiter_as(flydsl="gfx950")
+    installed = tuned(row(batch=1, wg=2), row(batch=4, wg=8), row(batch=16, wg=0))
+    assert installed.router.variant.name == "gfx950"
+    expected = {1: 2, 2: 1, 4: 2, 7: 2, 9: 1, 16: 1}  # wg 2 at B<4, wg 8 at 4..15, default 3 at >= 16
+    for batch, split_kv in expected.items():
+        assert run_batch(target, installed, aiter_calls, batch, min_len=640) == ["flydsl-gfx950"], batch
+        assert launched_split_kv(aiter_calls) == [split_kv], batch
+    # The same rule, written out: the row's wg_per_cu, never the default, decides.
+    assert kernels.explicit_split_kv(1, 1, 300, 64, 2) == 2 != kernels.explicit_split_kv(1, 1, 300, 64)
+    taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
+    assert len(taken) == 3, taken
+    assert "batch >= 1 on gfx950 with 1 CUs measured FlyDSL faster; SplitKV from wg_per_cu=2" in taken[0]
+    assert "batch >= 4 on gfx950 with 1 CUs measured FlyDSL faster; SplitKV from wg_per_cu=8" in taken[1]
+    assert (
+        "batch >= 16 on gfx950 with 1 CUs measured FlyDSL faster; SplitKV from wg_per_cu=3 (default)"
+        in (taken[2])
+    )
+
+
+def test_a_kernel_that_cannot_take_the_rows_knob_keeps_those_calls_stock(
+    target, tuned, aiter_calls, plugin_log
+):
+    """The general kernel is launched without SplitKV: a row measured at wg_per_cu 2 cannot be
+    launched as measured, so its bucket stays stock, said once; a 0 row (default launch) is taken."""
+    installed = tuned(row(batch=1, wg=2), row(batch=8, wg=0))
+    assert installed.router.variant.name == "general"
+    for batch in (1, 2, 7):
+        assert run_batch(target, installed, aiter_calls, batch) == ["gluon"], batch
+    assert run_batch(target, installed, aiter_calls, 8) == ["flydsl"]
+    assert aiter_calls == [("flydsl", {**aiter_calls[0][1], "SplitKV": None})]  # no SplitKV passed
+    reasons = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
+    assert len(reasons) == 1, reasons
+    assert "measured FlyDSL with wg_per_cu=2, a SplitKV that the general FlyDSL kernel" in reasons[0]
+    taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
+    assert len(taken) == 1 and "the kernel's default launch" in taken[0], taken
+
+
+def test_rows_of_one_bucket_that_disagree_on_the_knob_keep_it_stock(
+    target, tuned, aiter_as, aiter_calls, plugin_log
+):
+    aiter_as(flydsl="gfx950")
+    installed = tuned(row(batch=2, ctx=4096, wg=2), row(batch=2, ctx=65536, wg=4), row(batch=4, wg=4))
+    assert run_batch(target, installed, aiter_calls, 3) == ["gluon"]
+    assert run_batch(target, installed, aiter_calls, 4) == ["flydsl-gfx950"]
+    assert launched_split_kv(aiter_calls) == [1]
+    reasons = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
+    assert len(reasons) == 1 and "its FlyDSL rows disagree on wg_per_cu ([2, 4])" in reasons[0], reasons
+
+
+def test_aiters_comment_lines_are_skipped_and_line_numbers_stay_true():
+    text = "\n".join([HEADER, "# tuned on node 7", row(batch=1), "  # another note", row(batch="x")]) + "\n"
+    with pytest.raises(tuning.TableError, match=r"t.csv: line 5, column batch_size"):
+        tuning.parse(io.StringIO(text), "t.csv", "gfx950")
+    ok = "\n".join([HEADER, "# a comment", row(batch=1)]) + "\n"
+    assert tuning.parse(io.StringIO(ok), "t.csv", "gfx950").rows == 1
+
+
+# ---------------------------------------------------------------- doctor and the loader survive any file
+
+
+def _directory(path):
+    path.mkdir()
+
+
+def _not_utf8(path):
+    path.write_bytes(HEADER.encode() + b"\n\xff\xfe\xfa,1\n")
+
+
+def _nul_bytes(path):
+    path.write_bytes((table_text(row()) + "gfx950,1\x00,2\n").encode())
+
+
+def _oversize_field(path):
+    import csv
+
+    path.write_text(table_text(row(ctx="4096;" * (csv.field_size_limit() // 5 + 1))))
+
+
+def _empty(path):
+    path.write_text("")
+
+
+def _header_only(path):
+    path.write_text(HEADER + "\n")
+
+
+def _no_permission(path):
+    path.write_text(table_text(row()))
+    path.chmod(0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_directory, _not_utf8, _nul_bytes, _oversize_field, _empty, _header_only, _no_permission],
+    ids=lambda f: f.__name__.strip("_"),
+)
+def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plugin_log, capsys):
+    import builtins
+
+    from vllm_flydsl_indexer.tools import doctor
+
+    path = tmp_path / "tuned.csv"
+    make(path)
+    if make is _no_permission:  # root reads a mode-0 file: refuse the open as the kernel would for a user
+        real_open = builtins.open
+
+        def refusing_open(file, *a, **k):
+            if str(file) == str(path):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real_open(file, *a, **k)
+
+        monkeypatch.setattr(builtins, "open", refusing_open)
+    data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
+    note = data["tuned_table"]["note"]
+    assert note.startswith("IGNORED: ") and str(path) in note, note
+    assert "tuned table" in doctor.render(data)
+    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+    assert tuning.load(str(path), "gfx950", logger) is None
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith("vllm-flydsl-indexer: tuned table ignored: ")
+    assert warnings[0].endswith(note.removeprefix("IGNORED: ")), (warnings, note)  # one reader, one text
+
+
+# ---------------------------------------------------------------- bench --tune measures and writes the knob
+
+
+def tune_with_fake_times(monkeypatch, tmp_path, times: dict, extra: tuple[str, ...] = ()):
+    """A --reference tune where each candidate's time is ``times[wg_per_cu or "gluon"]``.
+
+    Every candidate still runs for real once (the agreement gate); the SplitKV each FlyDSL
+    launch received is recorded. Returns (rows as dicts, the SplitKVs, the CLI's exit status).
+    """
+    import csv
+    import dataclasses
+
+    from vllm_flydsl_indexer.tools import cli, tune
+
+    launched: list[int] = []
+    real_launch, real_variant = tune.flydsl_launch, tune.tuned_variant
+
+    def tagged(variant, output_buffer, cus, wg_per_cu):
+        run = real_launch(variant, output_buffer, cus, wg_per_cu)
+        run.wg_per_cu = wg_per_cu
+        return run
+
+    def recording_variant(arms):
+        variant = real_variant(arms)
+
+        def fn(*args, **kwargs):
+            launched.append(kwargs["SplitKV"])
+            return variant.fn(*args, **kwargs)
+
+        return dataclasses.replace(variant, fn=fn)
+
+    monkeypatch.setattr(tune, "flydsl_launch", tagged)
+    monkeypatch.setattr(tune, "tuned_variant", recording_variant)
+    monkeypatch.setattr(tune, "_time", lambda fn, *a: times[getattr(fn, "wg_per_cu", "gluon")])
+    path = tmp_path / "t.csv"
+    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", "--heads", "32"]
+    small = ["--block-size", "64", "--next-n", "1", "--batch", "1,4", "--repeats", "1", "--warmup", "0"]
+    rc = cli.main([*argv, *small, *extra])
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f)), launched, rc
+
+
+def test_tune_sweeps_aiters_wg_per_cu_values_and_writes_the_winner(monkeypatch, tmp_path):
+    from vllm_flydsl_indexer import kernels
+
+    rows, launched, rc = tune_with_fake_times(
+        monkeypatch, tmp_path, {"gluon": 2.0, 1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0}
+    )
+    assert rc == 0 and len(rows) == 2
+    for r, batch in zip(rows, (1, 4), strict=True):
+        assert (r["batch_size"], r["context_len"], r["backend"]) == (str(batch), "1024", "flydsl")
+        assert (r["ChunkK"], r["WavePerEU"], r["wg_per_cu"]) == ("0", "0", "2")  # as aiter's tuner writes
+        assert (float(r["us"]), float(r["gluon_us"]), float(r["flydsl_us"])) == (1.0, 2.0, 1.0)
+        # Each of aiter's values was launched exactly as the router launches it (row width 131072).
+        swept = {kernels.explicit_split_kv(1, batch, 131072, 64, w) for w in kernels.TUNER_WG_PER_CU}
+        assert swept <= set(launched), (swept, launched)
+    # The plugin reads the written row back with its knob.
+    table = tuning.parse(io.StringIO((tmp_path / "t.csv").read_text()), "t.csv", "reference")
+    assert table.choice(1, 4, 1, 32, 128, 64) == tuning.Pick("flydsl", 4, 2)
+
+
+def test_tune_writes_a_gluon_row_with_stocks_knobs_when_stock_wins(monkeypatch, tmp_path):
+    rows, _, rc = tune_with_fake_times(monkeypatch, tmp_path, {"gluon": 1.0, 1: 5.0, 2: 3.0, 3: 4.0, 4: 2.5})
+    assert rc == 0
+    for r in rows:
+        assert (r["backend"], r["ChunkK"], r["WavePerEU"], r["wg_per_cu"]) == ("gluon", "256", "2", "0")
+        assert (float(r["us"]), float(r["gluon_us"]), float(r["flydsl_us"])) == (1.0, 1.0, 2.5)
+
+
+def test_tune_refuses_to_merge_into_a_malformed_table_before_any_work(tmp_path, monkeypatch, capsys):
+    from vllm_flydsl_indexer.tools import cli, tune
+
+    path = tmp_path / "t.csv"
+    path.write_text(table_text(row(batch=1), row(batch="abc")))
+    before = path.read_bytes()
+    monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
+    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS]
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv)
+    assert refused.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("vllm-flydsl-indexer bench: error: argument --tune: ")
+    assert f"{path}: line 3, column batch_size: 'abc' is not an integer" in err[0]
+    assert path.read_bytes() == before
+
+
+def test_tune_replaces_rows_of_the_same_key_and_keeps_the_rest_as_read(tmp_path, capsys):
+    """Older tables held one row per context length: the new row replaces all of them."""
+    from vllm_flydsl_indexer.tools import cli
+
+    path = tmp_path / "t.csv"
+    kept = row(gfx="gfx950", cu=256, batch=64).replace(
+        ",1,4096,", ",True,4096,"
+    )  # as written, not normalised
+    old = [row(gfx="reference", cu=1, batch=1, ctx=ctx, backend="gluon") for ctx in (512, 1024)]
+    path.write_text(table_text(kept, *old))
+    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", "--heads", "32", "--batch", "1"]
+    small = ["--block-size", "64", "--next-n", "1", "--repeats", "1", "--warmup", "0"]
+    assert cli.main([*argv, *small]) == 0
+    assert "wrote 1 rows" in capsys.readouterr().out
+    lines = path.read_text().splitlines()
+    assert lines[:2] == [HEADER, kept] and len(lines) == 3
+    assert lines[2].startswith("reference,1,1,1,32,128,64,1,1024,")

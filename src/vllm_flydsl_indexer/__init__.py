@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+__all__ = ["register"]
+
 __version__ = "0.1.0"
 
 _registered = False

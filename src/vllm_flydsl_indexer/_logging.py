@@ -5,6 +5,18 @@ from __future__ import annotations
 
 import logging
 
+__all__ = [
+    "ACTIVE_LINE",
+    "DISAGREE_LINE",
+    "HEAD",
+    "LOGGER_NAME",
+    "STOCK_CALL_LINE",
+    "STOCK_LINE",
+    "TABLE_IGNORED_LINE",
+    "get_logger",
+    "log_once",
+]
+
 # Under the "vllm" logger so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.
 LOGGER_NAME = "vllm.plugins.flydsl_indexer"
 

@@ -16,8 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_flydsl_indexer.target import INDEX_TOPK
+
+__all__ = [
+    "Agreement",
+    "DEFAULT_TOPK",
+    "REAL_KERNEL_TOLERANCE",
+    "compare_in_windows",
+    "make_verifier",
+    "read_window_ends",
+    "relative_difference",
+]
+
 REAL_KERNEL_TOLERANCE = 1e-3
-DEFAULT_TOPK = 2048
+DEFAULT_TOPK = INDEX_TOPK
 
 
 def read_window_ends(context_lens: torch.Tensor, rows: int, next_n: int) -> torch.Tensor:

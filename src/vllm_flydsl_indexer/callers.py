@@ -67,7 +67,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_POSITIONAL, Call, RouterView
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_POSITIONAL
+
+__all__ = [
+    "CALL_SITES",
+    "CallSite",
+    "DEFINING_MODULE",
+    "call_site_in",
+    "multi_row_objection",
+]
 
 # The module that defines the target; its own indexer calls it.
 DEFINING_MODULE = TARGET_MODULE
@@ -141,39 +149,6 @@ def multi_row_objection(caller: str | None) -> str | None:
         )
     if not site.multi_row:
         return f"next_n > 1 from {caller}: its bounds are {site.bounds.split(':')[0]} ({site.compress_ratio})"
-    return None
-
-
-def window_rule(call: Call, router: RouterView) -> str | None:
-    """Written columns equal read columns: FlyDSL writes ``[0, ctx_b - next_n + i]`` of row ``(b, i)``.
-
-    ``ctx_b`` is the last column of vLLM's bounds; the consumers read row ``r``
-    over ``[0, bounds.reshape(-1)[r])``, or one entry per sequence repeated over
-    its rows. They agree for ``next_n == 1`` with one bound per row (any caller,
-    compression or DCP), and for ``next_n > 1`` with a ``(B, next_n)`` native
-    table from an audited caller, ``compress_ratio == 1`` and DCP 1. Anything
-    else (compressed or DCP-localised bounds, one bound repeated over rows) can
-    read a column FlyDSL never writes, where Gluon writes ``-inf``.
-    """
-    next_n, context_lens = call.q_fp8.shape[1], call.context_lens
-    if next_n == 1:
-        if context_lens.dim() == 2 and context_lens.shape[1] != 1:
-            return f"next_n=1 with {context_lens.shape[1]} bounds per sequence"
-        return None
-    if context_lens.dim() != 2 or context_lens.shape[1] != next_n:
-        return (
-            f"next_n={next_n} without a (B, next_n) bounds table: "
-            "consumers read columns FlyDSL does not write"
-        )
-    objection = multi_row_objection(call.caller)
-    if objection is not None:
-        return objection
-    if call.compress_ratio != 1:
-        return (
-            f"next_n={next_n} with compress_ratio={call.compress_ratio}: compressed bounds are not one apart"
-        )
-    if call.dcp_world_size != 1:
-        return f"next_n={next_n} with decode context parallel size {call.dcp_world_size}: localised bounds"
     return None
 
 

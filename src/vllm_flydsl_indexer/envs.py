@@ -6,6 +6,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+__all__ = [
+    "ACCEPTED",
+    "ALLOW_UNTESTED_VLLM",
+    "ALL_VARIABLES",
+    "Flag",
+    "SWITCH",
+    "TUNED_CSV",
+    "VERIFY",
+    "off_reason",
+    "parse_bool",
+    "read_flag",
+]
+
 # The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
 # Let a vLLM newer than the tested window through the version gate. The

@@ -16,11 +16,27 @@ from types import ModuleType
 
 from vllm_flydsl_indexer import envs
 from vllm_flydsl_indexer._logging import ACTIVE_LINE, STOCK_LINE
-from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
+from vllm_flydsl_indexer.identification import find_kernel
+from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
+
+__all__ = [
+    "Decision",
+    "Gate",
+    "MODEL_HINT",
+    "SUPPORTED_VLLM",
+    "check_version",
+    "evaluate",
+    "gcn_arch",
+    "parse_version",
+    "vllm_version",
+]
 
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
+# vLLM loads plugins before any model config exists (in every process), so the plugin cannot
+# tell at start-up whether the served model ever calls the patched function: doctor can.
+MODEL_HINT = "vllm-flydsl-indexer doctor --model MODEL tells whether yours does"
 
 
 @dataclass(frozen=True)
@@ -47,12 +63,15 @@ class Decision:
     gcn_arch: str | None = None
 
     def log_line(self) -> str:
+        """The one line ``register()`` logs: ACTIVE with what replaces what, or stock with the reason."""
         if self.active:
             return (
                 f"{ACTIVE_LINE} ({self.variant.location if self.variant else '?'}, "
                 f"{self.variant.description if self.variant else '?'}, replaces "
                 f"{TARGET_MODULE}.{TARGET_NAME} for eligible decode calls"
-                f"{'; verify-on-enable on' if self.verify else ''})"
+                f"{'; verify-on-enable on' if self.verify else ''}; "
+                "only models whose FP8 indexer calls it on a layer-contiguous cache reach it: "
+                f"{MODEL_HINT})"
             )
         return f"{STOCK_LINE} {self.reason})"
 

@@ -1,61 +1,45 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Which FlyDSL paged-MQA-logits API the installed aiter has, and its exact contract.
+"""The FlyDSL kernel APIs' exact contracts and graph-safe launches, as values.
 
-One public name has meant several kernels, so the lookup identifies what it
-found from signatures and module constants, never from the name alone:
-
-* ``dispatcher``: aiter's tuned dispatcher (aiter PR #6140),
-  ``aiter.paged_mqa_logits.paged_mqa_logits`` beside
-  ``get_paged_mqa_logits_config``. Its measured table picks Gluon or FlyDSL
-  per shape and it falls back to vLLM's exact Gluon call, so it is preferred.
-  Identified by both functions (a fork ships an unrelated module of that name).
-* ``gfx950``: the gfx950-specialised ``flydsl_fp8_paged_mqa_logits``
-  (``fp8_paged_mqa_logits_gfx950.py``): fixed heads, head_dim, KVBlockSize and
-  index_dim read from its module constants, Preshuffle required, ``next_n`` up
-  to ``MAX_NN``; keyword-only ``next_n_lens``, no ``ChunkK``. Its automatic
-  SplitKV reads ``context_lens.max().item()``, a host sync that breaks graph
-  capture, so the launch always passes an explicit ``SplitKV`` computed from
-  shapes as aiter's dispatcher does. One revision (e.g. aiter f5b390371d) has
-  the same signature and constants but takes q padded to ``(B, MAX_NN, H, D)``
-  and writes row ``b*MAX_NN + i``; only the wrapper's source tells them apart
-  (:func:`gfx950_q_contract`). That one is refused with its reason: feeding it
-  would need padded copies of q and weights and a ``B*MAX_NN``-row output
-  outside vLLM's workspace, an extra pass on every call.
-* ``gfx950-early``: an earlier revision of the same gfx950 file and name (e.g.
-  aiter 9661da3a): heads from its module's ``SUPPORTED_HEADS`` (32 and 64, so
-  DeepSeek-V3.2 too), ``HEAD_DIM``, ``KV_BLOCK_SIZE`` and ``INDEX_DIM``,
-  Preshuffle required, ``next_n`` only as its wrapper's literal check allows
-  (``next_n not in (1, 2)``, read from the source); keyword-only
-  ``Preshuffle``, ``KVBlockSize``, ``SplitKV``, ``TotalCuCount``, ``stream``,
-  no ``next_n_lens`` and no ``ChunkK``. Its automatic SplitKV reads shapes
-  only (``max_model_len``, the CU count, the batch), but the launch passes
-  the same value explicitly (:data:`GFX950_EARLY_WORKGROUPS_PER_CU`), so graph
-  safety never rests on the default.
-* ``general``: aiter PR #4221's kernel: heads and head_dim powers of two
-  (multiples of 32 and 64), KVBlockSize 1 or a multiple of 16; keyword-only
-  ``ChunkK``, ``WavePerEU``, ``variant``. Launched with KVBlockSize and
-  Preshuffle only; its other knobs keep their defaults.
-
-Anything else (an API of another shape) is ``unknown`` and keeps vLLM on the
-stock path with the reason. Importing aiter can fail with errors other than
-ImportError (an aiter/flydsl mismatch), so every probe catches any exception
-and records it. Nothing here imports vLLM.
+A :class:`KernelVariant` is one identified API (found at startup by
+:mod:`vllm_flydsl_indexer.identification`): its name, its function, its
+:class:`Limits` beyond the contract every API shares (:func:`common_violation`),
+and its launch (:meth:`KernelVariant.launch_kwargs`): KVBlockSize and
+Preshuffle always; an explicit SplitKV for the gfx950 APIs, computed from
+shapes as aiter's dispatcher does (:func:`explicit_split_kv`), since the later
+gfx950 wrapper's automatic SplitKV reads ``context_lens.max().item()`` (a host
+sync that breaks graph capture); a tuned row's ``wg_per_cu`` where the API's
+launch takes it (:meth:`KernelVariant.knob_problem`). The general (PR #4221)
+kernel keeps its other knobs at their defaults. Nothing here imports vLLM.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
-import importlib
-import inspect
-import textwrap
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
-from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES, Call, RouterView
+from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES, Call
+
+__all__ = [
+    "BLOCK_OUTER_LAYOUTS",
+    "BLOCK_OUTER_NOTE",
+    "GFX950_EARLY_WORKGROUPS_PER_CU",
+    "KernelVariant",
+    "LAYOUT_VARIABLE",
+    "Limits",
+    "MIN_HEAD_DIM_MULTIPLE",
+    "MIN_HEAD_MULTIPLE",
+    "PRESHUFFLE_ALIGN",
+    "TUNER_WG_PER_CU",
+    "WORKGROUPS_PER_CU",
+    "common_violation",
+    "cu_count",
+    "explicit_split_kv",
+    "strided_cache_reason",
+]
 
 # vLLM's KV cache layouts with the block dimension outside the layer dimension
 # (vllm/v1/kv_cache_layout.py; tests/test_drift.py pins them).
@@ -68,22 +52,14 @@ BLOCK_OUTER_NOTE = (
     f"require one; {LAYOUT_VARIABLE} or a KV connector can choose one for DeepSeek-V3.2 and GLM-5.x."
 )
 
-KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
-# Probed in order: the re-export, the PR branch's module, earlier revisions.
-KERNEL_MODULES = (
-    "aiter.ops.flydsl",
-    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits",
-    "aiter.ops.flydsl.kernels.fp8_paged_mqa_logits",
-)
-DISPATCHER_MODULE = "aiter.paged_mqa_logits"
-DISPATCHER_NAME = "paged_mqa_logits"
-DISPATCHER_CONFIG_NAME = "get_paged_mqa_logits_config"
-
 PRESHUFFLE_ALIGN = 16
 MIN_HEAD_MULTIPLE = 32
 MIN_HEAD_DIM_MULTIPLE = 64
-# aiter's dispatcher: workgroups per CU when it picks SplitKV for FlyDSL.
+# aiter's dispatcher: workgroups per CU when it picks SplitKV for FlyDSL (its
+# FLYDSL_DEFAULT_WG_PER_CU, aiter/paged_mqa_logits.py at 1eb1a7b5), and the values
+# its tuner sweeps (FLYDSL_WG_PER_CU, csrc/paged_mqa_logits/paged_mqa_logits_tune.py).
 WORKGROUPS_PER_CU = 3
+TUNER_WG_PER_CU = (1, 2, 3, 4)
 # The earlier gfx950 kernel's own automatic SplitKV: ``total_cu * 4 * 2``
 # one-wave workgroups, capped by the pages of ``max_model_len``.
 GFX950_EARLY_WORKGROUPS_PER_CU = 8
@@ -91,21 +67,6 @@ GFX950_EARLY_WORKGROUPS_PER_CU = 8
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and (n & (n - 1)) == 0
-
-
-def _as_set(value: object) -> frozenset[int] | None:
-    """A module constant as a set of ints: ``32`` or ``(32, 64)``; ``None`` if unreadable."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, int):
-        return frozenset({value})
-    if (
-        isinstance(value, (tuple, list, set, frozenset))
-        and value
-        and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
-    ):
-        return frozenset(value)
-    return None
 
 
 @dataclass(frozen=True)
@@ -251,367 +212,55 @@ class KernelVariant:
         """The ``Preshuffle`` this package launches a ``block_size`` cache with: vLLM's ROCm layout rule."""
         return block_size > 1
 
-    def launch_kwargs(self, batch: int, block_size: int, max_model_len: int, cus: int) -> dict[str, object]:
+    @property
+    def tuned_wg_per_cu(self) -> tuple[int, ...]:
+        """The ``wg_per_cu`` values ``bench --tune`` measures: aiter's tuner's sweep where this
+        API's launch takes SplitKV, else only the default launch (``0``)."""
+        return TUNER_WG_PER_CU if self.split_kv_workgroups_per_cu is not None else (0,)
+
+    def knob_problem(self, wg_per_cu: int) -> str | None:
+        """Why a tuned FlyDSL row's ``wg_per_cu`` cannot be launched on this API as measured, or ``None``.
+
+        ``0`` is the default launch, which every API takes. A positive value
+        sets SplitKV, which only the gfx950 APIs' launch passes.
+        """
+        if wg_per_cu == 0 or self.split_kv_workgroups_per_cu is not None:
+            return None
+        return (
+            f"wg_per_cu={wg_per_cu}, a SplitKV that the {self.name} FlyDSL kernel is not launched with "
+            "(this package passes it no SplitKV), so it cannot launch what was measured"
+        )
+
+    def launch_kwargs(
+        self, batch: int, block_size: int, max_model_len: int, cus: int, wg_per_cu: int = 0
+    ) -> dict[str, object]:
         """The keyword arguments of every launch of this shape: shapes only, so graph-safe.
 
         KVBlockSize and Preshuffle always; an explicit SplitKV for the gfx950
         kernels: the later one's automatic SplitKV reads device memory on the
         host, and the earlier one's gets the value its own rule would compute.
+        ``wg_per_cu`` is a tuned row's knob (``0``: this API's default), turned
+        into SplitKV exactly as aiter's dispatcher does; an API that takes no
+        SplitKV accepts only ``0`` (:meth:`knob_problem`).
         """
         kwargs: dict[str, object] = {"Preshuffle": self.preshuffle(block_size), "KVBlockSize": block_size}
         if self.split_kv_workgroups_per_cu is not None:
             kwargs["SplitKV"] = explicit_split_kv(
-                cus, batch, max_model_len, block_size, self.split_kv_workgroups_per_cu
+                cus, batch, max_model_len, block_size, wg_per_cu or self.split_kv_workgroups_per_cu
             )
+        elif wg_per_cu:
+            raise ValueError(self.knob_problem(wg_per_cu))
         return kwargs
 
-    def launch(
-        self,
-        q_fp8: torch.Tensor,
-        kv_cache: torch.Tensor,
-        weights: torch.Tensor,
-        out_logits: torch.Tensor,
-        per_sequence_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        max_model_len: int,
-        cu_count: int,
-    ) -> torch.Tensor:
-        """One launch writing ``out_logits`` in place: no prefill, no host read.
-
-        The router calls ``fn`` with memoised :meth:`launch_kwargs` instead; this
-        is the same launch, for tools and tests.
-        """
-        kwargs = self.launch_kwargs(q_fp8.shape[0], kv_cache.shape[1], max_model_len, cu_count)
-        self.fn(
-            q_fp8, kv_cache, weights, out_logits, per_sequence_lens, block_tables, max_model_len, **kwargs
-        )
-        return out_logits
-
-
-def _parameters(fn: Callable) -> dict[str, inspect.Parameter] | str:
-    try:
-        return dict(inspect.signature(fn).parameters)
-    except (TypeError, ValueError) as e:
-        return f"signature unreadable ({e})"
-
-
-def _keyword_only(params: dict[str, inspect.Parameter], names: Iterable[str]) -> list[str]:
-    return [n for n in names if n not in params or params[n].kind is not inspect.Parameter.KEYWORD_ONLY]
-
-
-def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> KernelVariant | str:
-    """The variant of a ``flydsl_fp8_paged_mqa_logits`` found at ``location``, or why it is unknown."""
-    params = _parameters(fn)
-    if isinstance(params, str):
-        return params
-    missing = _keyword_only(params, ("Preshuffle", "KVBlockSize"))
-    if missing:
-        return f"lacks keyword-only {', '.join(missing)}"
-    general_knobs = {"ChunkK", "WavePerEU", "variant"}
-    if "next_n_lens" in params and not general_knobs & set(params):
-        if "SplitKV" not in params or params["SplitKV"].kind is not inspect.Parameter.KEYWORD_ONLY:
-            return "gfx950-style API without a keyword-only SplitKV (cannot launch it graph-safely)"
-        source = _defining_module(fn, module)
-        constants = {
-            name: _as_set(getattr(source, name, None))
-            for name in ("NUM_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM", "MAX_NN")
-        }
-        unreadable = [name for name, value in constants.items() if value is None]
-        if unreadable:
-            return f"gfx950-style API whose module lacks readable {', '.join(unreadable)}"
-        (index_dim,) = constants["INDEX_DIM"] if len(constants["INDEX_DIM"]) == 1 else (None,)
-        if index_dim is None or len(constants["MAX_NN"]) != 1:
-            return "gfx950-style API with ambiguous INDEX_DIM or MAX_NN"
-        max_nn = next(iter(constants["MAX_NN"]))
-        q_contract = gfx950_q_contract(fn)
-        if q_contract == Q_PADDED:
-            return (
-                f"gfx950 kernel that takes q padded to next_n {max_nn} (q (B, {max_nn}, H, D), "
-                f"weights (B*{max_nn}, H), output row b*{max_nn}+i; aiter revisions like f5b390371d): "
-                "not supported, stock path kept"
-            )
-        if q_contract != Q_NEXT_N:
-            return f"gfx950-style API whose q contract cannot be read from its source ({q_contract})"
-        limits = Limits(
-            heads=constants["NUM_HEADS"],
-            head_dims=constants["HEAD_DIM"],
-            block_sizes=constants["KV_BLOCK_SIZE"],
-            index_dim=index_dim,
-            max_next_n=max_nn,
-            preshuffle_required=True,
-            q_contiguous=True,
-        )
-        return KernelVariant(
-            "gfx950", fn, location, limits, "gfx950-specialised FlyDSL kernel", WORKGROUPS_PER_CU
-        )
-    if general_knobs <= set(params) and "next_n_lens" not in params:
-        return KernelVariant("general", fn, location, Limits(), "general FlyDSL kernel (aiter PR #4221)")
-    if "next_n_lens" not in params and not general_knobs & set(params):
-        return _identify_gfx950_early(fn, module, location, params)
-    return "an API of an unknown shape (neither the PR #4221 kernel nor the gfx950 kernel)"
-
-
-GFX950_EARLY_CONSTANTS = ("SUPPORTED_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM")
-
-
-def _identify_gfx950_early(
-    fn: Callable, module: ModuleType | None, location: str, params: dict[str, inspect.Parameter]
-) -> KernelVariant | str:
-    """The earlier gfx950 revision (``SUPPORTED_HEADS``, no ``next_n_lens``), or why this is not it."""
-    if "SplitKV" not in params or params["SplitKV"].kind is not inspect.Parameter.KEYWORD_ONLY:
-        return (
-            "an API of an unknown shape (no next_n_lens, no ChunkK/WavePerEU/variant and no "
-            "keyword-only SplitKV)"
-        )
-    source = _defining_module(fn, module)
-    constants = {name: _as_set(getattr(source, name, None)) for name in GFX950_EARLY_CONSTANTS}
-    unreadable = [name for name, value in constants.items() if value is None]
-    if unreadable:
-        return (
-            "an API of an unknown shape (no next_n_lens and no ChunkK/WavePerEU/variant, like the "
-            f"earlier gfx950 kernel, but its module lacks readable {', '.join(unreadable)})"
-        )
-    if len(constants["INDEX_DIM"]) != 1:
-        return "earlier-gfx950-style API with an ambiguous INDEX_DIM"
-    next_ns = gfx950_next_n_values(fn)
-    if isinstance(next_ns, str):
-        return f"earlier-gfx950-style API whose next_n range cannot be read from its source ({next_ns})"
-    (index_dim,) = constants["INDEX_DIM"]
-    limits = Limits(
-        heads=constants["SUPPORTED_HEADS"],
-        head_dims=constants["HEAD_DIM"],
-        block_sizes=constants["KV_BLOCK_SIZE"],
-        index_dim=index_dim,
-        max_next_n=max(next_ns),
-        preshuffle_required=True,
-        q_contiguous=True,
-    )
-    return KernelVariant(
-        "gfx950-early",
-        fn,
-        location,
-        limits,
-        "gfx950-specialised FlyDSL kernel, earlier revision (SUPPORTED_HEADS, no next_n_lens)",
-        GFX950_EARLY_WORKGROUPS_PER_CU,
-    )
-
-
-Q_NEXT_N = "next_n"
-Q_PADDED = "padded"
-
-
-def _is_name(node: ast.AST, name: str) -> bool:
-    return isinstance(node, ast.Name) and node.id == name
-
-
-def _paired(left: ast.AST, right: ast.AST, a: str, b: str) -> bool:
-    """``a == b`` or ``(.., a, ..) == (.., b, ..)`` at the same position, either side."""
-    if (_is_name(left, a) and _is_name(right, b)) or (_is_name(left, b) and _is_name(right, a)):
-        return True
-    if isinstance(left, ast.Tuple) and isinstance(right, ast.Tuple) and len(left.elts) == len(right.elts):
-        return any(_paired(x, y, a, b) for x, y in zip(left.elts, right.elts, strict=True))
-    return False
-
-
-def gfx950_q_contract(fn: Callable) -> str:
-    """How a gfx950 wrapper checks q's second dimension, read from its source.
-
-    ``Q_NEXT_N``: q is ``(B, next_n, H, D)`` and the wrapper range-checks that
-    dimension against ``MAX_NN`` (``1 <= next_n <= MAX_NN``). ``Q_PADDED``: the
-    wrapper requires it to equal ``MAX_NN`` (``(max_nn, ...) != (MAX_NN, ...)``),
-    i.e. q padded to ``MAX_NN`` rows. Anything else (no source, no unpacking of
-    ``q.shape``, both checks or neither) is returned as a reason string, which
-    the caller treats as "cannot tell": stock.
-    """
-    try:
-        return _q_contract_in(_source_tree(fn))
-    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
-        return f"source unreadable: {type(e).__name__}: {e}"
-
-
-def _q_rows(tree: ast.Module) -> tuple[ast.AST, str, str] | str:
-    """The wrapper's function, its q parameter and the name it unpacks ``q.shape[1]`` into."""
-    func = next((n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if func is None:
-        return "no function definition in its source"
-    positional = [*func.args.posonlyargs, *func.args.args]
-    if not positional:
-        return "no positional q parameter"
-    q_name = positional[0].arg
-    rows_names = {
-        target.elts[1].id
-        for node in ast.walk(func)
-        if isinstance(node, ast.Assign)
-        and isinstance(node.value, ast.Attribute)
-        and node.value.attr == "shape"
-        and _is_name(node.value.value, q_name)
-        for target in node.targets
-        if isinstance(target, ast.Tuple) and len(target.elts) == 4 and isinstance(target.elts[1], ast.Name)
-    }
-    if len(rows_names) != 1:
-        return f"no single 4-way unpacking of {q_name}.shape"
-    (rows,) = rows_names
-    return func, q_name, rows
-
-
-def _source_tree(fn: Callable) -> ast.Module:
-    return ast.parse(textwrap.dedent(inspect.getsource(fn)))
-
-
-def gfx950_next_n_values(fn: Callable) -> frozenset[int] | str:
-    """The ``next_n`` values an earlier gfx950 wrapper accepts, read from its source.
-
-    That wrapper checks ``next_n not in (1, 2)`` (or ``in``) against a literal
-    after unpacking ``q.shape``. Exactly one such check of positive ints
-    ``1..k`` is accepted; anything else (no source, no check, two checks, a
-    gap, a check against a name such as ``MAX_NN``) is returned as a reason
-    string, which the caller treats as "cannot tell": stock.
-    """
-    try:
-        found = _q_rows(_source_tree(fn))
-    except Exception as e:  # noqa: BLE001 - any failure means "cannot tell"
-        return f"source unreadable: {type(e).__name__}: {e}"
-    if isinstance(found, str):
-        return found
-    func, q_name, rows = found
-    checks = []
-    for node in ast.walk(func):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        for op, left, right in zip(node.ops, operands[:-1], operands[1:], strict=True):
-            if _is_name(left, rows) or _is_name(right, rows):
-                checks.append((op, left, right))
-    if len(checks) != 1:
-        return f"{len(checks)} comparisons of {q_name}.shape[1], not one membership check"
-    op, left, right = checks[0]
-    if not (isinstance(op, (ast.In, ast.NotIn)) and _is_name(left, rows)):
-        return f"{q_name}.shape[1] is compared with {type(op).__name__}, not a membership check"
-    try:
-        values = ast.literal_eval(right)
-    except ValueError:
-        return f"{q_name}.shape[1] is checked against a name, not a literal"
-    if (
-        not isinstance(values, (tuple, list, set, frozenset))
-        or not values
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
-        or set(values) != set(range(1, max(values) + 1))
-    ):
-        return f"{q_name}.shape[1] is checked against {values!r}, not 1..k"
-    return frozenset(values)
-
-
-def _q_contract_in(tree: ast.Module) -> str:
-    found = _q_rows(tree)
-    if isinstance(found, str):
-        return found
-    func, q_name, rows = found
-    ranged = padded = False
-    for node in ast.walk(func):
-        if not isinstance(node, ast.Compare):
-            continue
-        operands = [node.left, *node.comparators]
-        for op, left, right in zip(node.ops, operands[:-1], operands[1:], strict=True):
-            if isinstance(op, (ast.Lt, ast.LtE)) and _is_name(left, rows) and _is_name(right, "MAX_NN"):
-                ranged = True
-            elif isinstance(op, (ast.Gt, ast.GtE)) and _is_name(left, "MAX_NN") and _is_name(right, rows):
-                ranged = True
-            elif isinstance(op, (ast.Eq, ast.NotEq)) and _paired(left, right, rows, "MAX_NN"):
-                padded = True
-    if ranged == padded:
-        found = "both" if ranged else "neither"
-        return f"{found} of a range check and an equality check of {q_name}.shape[1] against MAX_NN"
-    return Q_PADDED if padded else Q_NEXT_N
-
-
-def _defining_module(fn: Callable, fallback: ModuleType | None) -> ModuleType | None:
-    name = getattr(fn, "__module__", None)
-    try:
-        return importlib.import_module(name) if name else fallback
-    except Exception:  # noqa: BLE001 - fall back to where it was found
-        return fallback
-
-
-def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | str:
-    """The tuned dispatcher in ``module``, or why this is not it."""
-    fn = getattr(module, DISPATCHER_NAME, None)
-    config = getattr(module, DISPATCHER_CONFIG_NAME, None)
-    if not callable(fn) or not callable(config):
-        return f"no {DISPATCHER_NAME} with {DISPATCHER_CONFIG_NAME} (not aiter's tuned dispatcher)"
-    params = _parameters(fn)
-    if isinstance(params, str):
-        return params
-    if "Preshuffle" not in params or "KVBlockSize" not in params:
-        return f"{DISPATCHER_NAME} lacks Preshuffle/KVBlockSize"
-    return KernelVariant(
-        "dispatcher", fn, location, Limits(), "aiter's tuned Gluon/FlyDSL dispatcher", own_table=True
-    )
-
-
-def identify(fn: Callable, module: ModuleType | None) -> KernelVariant | str:
-    """Identify ``fn`` (a kernel or the dispatcher) found in ``module``."""
-    location = f"{getattr(module, '__name__', '?')}.{getattr(fn, '__name__', '?')}"
-    if module is not None and getattr(fn, "__name__", None) == DISPATCHER_NAME:
-        return identify_dispatcher(module, location)
-    return identify_flydsl(fn, module, location)
-
-
-@dataclass(frozen=True)
-class KernelLookup:
-    """The identified API (or ``None``) and what each probe found."""
-
-    variant: KernelVariant | None
-    reason: str
-
-    @property
-    def kernel(self) -> Callable | None:
-        return self.variant.fn if self.variant else None
-
-    @property
-    def location(self) -> str | None:
-        return self.variant.location if self.variant else None
-
-
-def _import(path: str) -> ModuleType | str:
-    try:
-        return importlib.import_module(path)
-    except Exception as e:  # noqa: BLE001 - any import failure is a reason
-        return f"{path}: {type(e).__name__}: {e}"
-
-
-def find_kernel() -> KernelLookup:
-    """The dispatcher if aiter has it, else the first FlyDSL kernel found; never raises."""
-    problems: list[str] = []
-    module = _import(DISPATCHER_MODULE)
-    if isinstance(module, str):
-        problems.append(module)
-    else:
-        found = identify_dispatcher(module, f"{DISPATCHER_MODULE}.{DISPATCHER_NAME}")
-        if isinstance(found, KernelVariant):
-            return KernelLookup(found, "found")
-        problems.append(f"{DISPATCHER_MODULE}: {found}")
-    seen: list[Callable] = []
-    for path in KERNEL_MODULES:
-        module = _import(path)
-        if isinstance(module, str):
-            problems.append(module)
-            continue
-        fn = getattr(module, KERNEL_NAME, None)
-        if not callable(fn):
-            problems.append(f"{path}: no {KERNEL_NAME}")
-            continue
-        if any(fn is other for other in seen):
-            problems.append(f"{path}: the same {KERNEL_NAME} (a re-export)")
-            continue
-        seen.append(fn)
-        try:
-            found = identify_flydsl(fn, module, f"{path}.{KERNEL_NAME}")
-        except Exception as e:  # noqa: BLE001 - a probe reports, never raises
-            found = f"identification failed ({type(e).__name__}: {e})"
-        if isinstance(found, KernelVariant):
-            return KernelLookup(found, "found")
-        problems.append(f"{path}.{KERNEL_NAME}: {found}")
-    return KernelLookup(None, "; ".join(problems))
+    def describe_launch(self, wg_per_cu: int) -> str:
+        """The knob of a launch, for the first-taken log line."""
+        if self.own_table:
+            return "aiter's dispatcher picks the arm and its knobs from its own table"
+        if self.split_kv_workgroups_per_cu is None:
+            return "the kernel's default launch"
+        if wg_per_cu:
+            return f"SplitKV from wg_per_cu={wg_per_cu}"
+        return f"SplitKV from wg_per_cu={self.split_kv_workgroups_per_cu} (default)"
 
 
 def strided_cache_reason(kv_cache: torch.Tensor) -> str:
@@ -622,13 +271,3 @@ def strided_cache_reason(kv_cache: torch.Tensor) -> str:
         f"not KVBlockSize*index_dim = {block_size * index_dim}), so this layer stays on the stock path. "
         f"{BLOCK_OUTER_NOTE}"
     )
-
-
-def contiguity_rule(call: Call, router: RouterView) -> str | None:
-    """Every FlyDSL API needs a layer-contiguous cache: checked live (strides are not memoised)."""
-    return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)
-
-
-def contract_rule(call: Call, router: RouterView) -> str | None:
-    """The found API's exact contract: the common one plus its own limits."""
-    return router.variant.violation(call)

@@ -39,6 +39,14 @@ from vllm_flydsl_indexer.stock import vllm_stock_hooks
 from vllm_flydsl_indexer.target import MARKER, TARGET_NAME
 from vllm_flydsl_indexer.tuning import TunedTable
 
+__all__ = [
+    "InstalledPatch",
+    "install",
+    "installed",
+    "uninstall",
+    "wrap",
+]
+
 
 @dataclass
 class InstalledPatch:

@@ -8,13 +8,14 @@ original function unchanged. The decision reads only shapes, dtypes, strides,
 Python arguments and the calling module: never tensor values, so it issues no
 host sync and is the same during CUDA/HIP graph capture as outside it.
 
-The router only composes :data:`RULES`, an ordered list in which each rule
-lives in its own module and returns ``None`` or a short reason; the first
-reason is what the log says (once) for the stock path. ``live`` rules run on
-every call (they read what a memoised verdict cannot: vLLM's module state) and
-take only ``(compress_ratio, KVBlockSize)``; the others read a :class:`Call`
-and are memoised on the call's signature (:func:`call_key`, which includes the
-cache's contiguity), so a Call is built only on a memo miss. After the rules,
+The router only composes :data:`vllm_flydsl_indexer.rules.RULES`, the ordered
+list of every rule (each returns ``None`` or a short reason; the first reason
+is what the log says, once, for the stock path). ``live`` rules run on every
+call (they read what a memoised verdict cannot: vLLM's module state) and take
+only ``(compress_ratio, KVBlockSize)``; the others read a :class:`Call` and are
+memoised on the call's signature (:func:`call_key`, which includes the cache's
+contiguity), so a Call is built only on a memo miss. The router, not a rule,
+drops a tuned table that has no rows for this GPU's CU count. After the rules,
 two guards that depend on the router's own history: **no first-time compile
 inside graph capture**, and **a configuration whose kernel raised stays
 stock**. Any exception from the FlyDSL launch returns stock's answer for that
@@ -24,6 +25,8 @@ the kernel raises reaches vLLM.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,40 +34,23 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_flydsl_indexer import callers, kernels, stock, tuning
-from vllm_flydsl_indexer._logging import DISAGREE_LINE, HEAD, STOCK_CALL_LINE, log_once
+from vllm_flydsl_indexer import tuning
+from vllm_flydsl_indexer._logging import DISAGREE_LINE, HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE, log_once
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
+from vllm_flydsl_indexer.rules import LIVE_RULES, MEMOISED_RULES
 from vllm_flydsl_indexer.stock import StockHooks
-from vllm_flydsl_indexer.target import Call, RouterView, call_key
+from vllm_flydsl_indexer.target import Call, call_key
 from vllm_flydsl_indexer.tuning import TunedTable
+
+__all__ = [
+    "FlyDSLRouter",
+    "KernelConfig",
+    "MAX_MEMOISED_VERDICTS",
+    "Route",
+]
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
-
-
-# A memoised rule reads the Call; a live rule only (compress_ratio, KVBlockSize),
-# so the hot path builds no Call (stock.gluon_rule).
-Rule = Callable[[Call, RouterView], "str | None"]
-LiveRule = Callable[[int, int, RouterView], "str | None"]
-
-
-@dataclass(frozen=True)
-class RuleEntry:
-    rule: Rule | LiveRule
-    live: bool = False
-
-
-# In order; the first reason wins.
-RULES: tuple[RuleEntry, ...] = (
-    RuleEntry(stock.gluon_rule, live=True),  # only the call stock sends to aiter's Gluon
-    RuleEntry(kernels.contiguity_rule),  # a layer-contiguous cache
-    RuleEntry(kernels.contract_rule),  # the found API's exact contract and limits
-    RuleEntry(callers.window_rule),  # written columns equal read columns, per caller
-    RuleEntry(stock.layout_rule),  # launched with stock's Preshuffle
-    RuleEntry(tuning.table_rule),  # a measured table's per-shape choice
-)
-LIVE_RULES = tuple(entry.rule for entry in RULES if entry.live)
-MEMOISED_RULES = tuple(entry.rule for entry in RULES if not entry.live)
 
 
 class KernelConfig(NamedTuple):
@@ -95,7 +81,7 @@ class Route:
     config: KernelConfig | None = None
     caller: str | None = None
     kwargs: dict[str, object] = field(default_factory=dict)
-    # Why FlyDSL, when a tuned table decided (for the first-taken log line).
+    # The launch's knob, and the tuned row that chose it (for the first-taken log line).
     note: str = ""
     # Compiled outside capture and announced in the log: the plain fast path applies.
     ready: bool = False
@@ -145,6 +131,8 @@ class FlyDSLRouter:
         return route
 
     def _new_route(self, call: Call) -> Route:
+        cus = cu_count(call.q_fp8.device)
+        self._drop_foreign_table(cus)
         for rule in MEMOISED_RULES:
             reason = rule(call, self)
             if reason is not None:
@@ -154,9 +142,29 @@ class FlyDSLRouter:
         config = KernelConfig(heads, head_dim, block_size, next_n)
         if config in self.failed:
             return Route(self.failed[config])
-        cus = cu_count(call.q_fp8.device)
-        kwargs = self.variant.launch_kwargs(batch, block_size, call.max_model_len, cus)
-        return Route(None, config, call.caller, kwargs, tuning.flydsl_note(call, self))
+        # The table rule has passed: a FlyDSL pick here is launched with its row's knob, as measured.
+        pick = tuning.pick_for(call, self, cus)
+        wg_per_cu = pick.wg_per_cu if pick is not None else 0
+        kwargs = self.variant.launch_kwargs(batch, block_size, call.max_model_len, cus, wg_per_cu)
+        note = self.variant.describe_launch(wg_per_cu)
+        if pick is not None:
+            note = f"{tuning.where(self.table, pick, cus)} measured FlyDSL faster; {note}"
+        return Route(None, config, call.caller, kwargs, f"; {note}")
+
+    def _drop_foreign_table(self, cus: int) -> None:
+        """A table with no rows for this GPU's CU count is dropped, with one WARNING."""
+        table = self.table
+        if table is None or cus in table.cu_counts():
+            return
+        self.logger.warning(
+            "%s %s has %s rows for CU count(s) %s, none for this GPU's %d CUs",
+            TABLE_IGNORED_LINE,
+            table.source,
+            table.gfx,
+            sorted(table.cu_counts()),
+            cus,
+        )
+        self.table = None
 
     def _delegate(
         self, reason: str, args: tuple, compress_ratio: int, level: int = logging.INFO
@@ -272,13 +280,14 @@ class FlyDSLRouter:
         self.compiled.discard(config)
         self._routes.clear()  # every memoised route of this configuration now says stock
         self.logger.error(
-            "%s %s (%s) raised %s: %s. This call and every later call of this "
+            "%s %s (%s) raised %s: %s (%s). This call and every later call of this "
             "configuration use the stock path.",
             HEAD,
             self.variant.location,
             config.describe(),
             type(error).__name__,
             error,
+            _stack_versions(),
         )
         self.calls_delegated += 1
         return self.original(*args, compress_ratio=compress_ratio)
@@ -317,3 +326,18 @@ class FlyDSLRouter:
         self.calls_taken -= 1
         self.calls_delegated += 1
         return out
+
+
+@functools.cache
+def _stack_versions() -> str:
+    """``flydsl X, aiter Y`` from the installed distributions ("unknown" if absent); read once, lazily."""
+
+    def version(*dists: str) -> str:
+        for dist in dists:
+            try:
+                return importlib.metadata.version(dist)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+        return "unknown"
+
+    return f"flydsl {version('flydsl')}, aiter {version('amd-aiter', 'aiter')}"

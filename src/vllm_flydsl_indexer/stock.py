@@ -17,7 +17,11 @@ from types import ModuleType
 
 import torch
 
-from vllm_flydsl_indexer.target import Call, RouterView
+__all__ = [
+    "StockHooks",
+    "vllm_gluon_objection",
+    "vllm_stock_hooks",
+]
 
 
 @dataclass(frozen=True)
@@ -92,22 +96,3 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
         dcp_world_size=lambda: get_dcp_world_size_and_rank()[0],
         preshuffle=preshuffle,
     )
-
-
-def gluon_rule(compress_ratio: int, block_size: int, router: RouterView) -> str | None:
-    """Only the call stock would send to aiter's Gluon kernel is ours to change (a live rule)."""
-    reason = router.hooks.gluon_objection(compress_ratio, block_size)
-    return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
-
-
-def layout_rule(call: Call, router: RouterView) -> str | None:
-    """FlyDSL is launched with the cache layout (``Preshuffle``) stock passes Gluon, or not at all."""
-    block_size = call.kv_cache.shape[1]
-    layout = router.hooks.preshuffle(block_size)
-    told = router.variant.preshuffle(block_size)
-    if told != layout:
-        return (
-            f"stock reads this KVBlockSize={block_size} cache with Preshuffle={layout}, "
-            f"FlyDSL would be launched with Preshuffle={told}"
-        )
-    return None

@@ -15,6 +15,22 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+__all__ = [
+    "Call",
+    "I32_OFFSET_LIMIT",
+    "INDEX_TOPK",
+    "MARKER",
+    "RouterView",
+    "SCALE_BYTES",
+    "TARGET_KEYWORD_ONLY",
+    "TARGET_MODULE",
+    "TARGET_NAME",
+    "TARGET_POSITIONAL",
+    "call_key",
+    "signature_problem",
+    "unpatched",
+]
+
 if TYPE_CHECKING:
     import torch
 
@@ -35,6 +51,8 @@ TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
 SCALE_BYTES = 4
 # FlyDSL addresses the cache with i32 byte offsets: a pool must stay under this.
 I32_OFFSET_LIMIT = 2**31
+# vLLM's index_topk: the columns the indexer's top-k keeps per row (the agreement rule compares them).
+INDEX_TOPK = 2048
 
 # Set on the patch's wrapper, so the original can always be found behind it.
 MARKER = "_vllm_flydsl_indexer"

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """A measured per-shape choice between FlyDSL and stock, in aiter's tuned-CSV format.
 
-aiter's tuned dispatcher (aiter PR #6140) reads ``paged_mqa_logits_tuned.csv``
-with the columns of :data:`COLUMNS` and picks Gluon or FlyDSL per shape. When
-the installed aiter has that dispatcher, the plugin routes through it and its
-table decides. When aiter has a FlyDSL kernel but no dispatcher, this module
-gives the plugin the same choice from the same kind of file:
+aiter's tuned dispatcher (aiter PR #6140, ``aiter/paged_mqa_logits.py``) reads
+``paged_mqa_logits_tuned.csv`` with the columns of :data:`COLUMNS` and picks
+Gluon or FlyDSL per shape, with that row's knobs. When the installed aiter has
+that dispatcher, the plugin routes through it and its table decides. When aiter
+has a FlyDSL kernel but no dispatcher, this module gives the plugin the same
+choice, and the same launch, from the same kind of file:
 
 * **Where from:** ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` if set, else the table the
   installed aiter ships (``aiter/configs/paged_mqa_logits_tuned.csv``) if it
@@ -13,15 +14,25 @@ gives the plugin the same choice from the same kind of file:
 * **Lookup, as aiter's:** the rows of this GPU (``gfx`` and ``cu_num``) and
   this shape (``next_n``, ``heads``, ``head_dim``, ``kv_block_size``,
   ``preshuffle``); of those, the largest tuned ``batch_size`` at or below the
-  call's batch. Several rows of that batch (other ``context_len``) must all say
-  ``flydsl`` for FlyDSL: a table never sends a shape to FlyDSL that one of its
-  own measurements found slower.
+  call's batch. Several rows of that batch (older tables kept one per
+  ``context_len``) must all say ``flydsl`` with one ``wg_per_cu`` for FlyDSL: a
+  table never sends a shape to FlyDSL that one of its own measurements found
+  slower, nor launches a knob that one of them did not measure.
+* **The knob:** a FlyDSL row's ``wg_per_cu`` is what aiter's dispatcher turns
+  into ``SplitKV = max(1, min(pages, ceil(CUs * wg_per_cu / batch)))``; ``0``
+  means the kernel's default launch (aiter's ``FLYDSL_DEFAULT_WG_PER_CU`` 3 for
+  the gfx950 kernel). The router launches exactly that
+  (:meth:`~vllm_flydsl_indexer.kernels.KernelVariant.launch_kwargs`); a kernel
+  whose launch cannot take the row's knob keeps the call stock. A Gluon row's
+  ``ChunkK``/``WavePerEU`` are informational here: stock is called unchanged.
 * **Not covered** (no row for the shape, or only larger batches): the switch
-  keeps its meaning, FlyDSL where eligible.
-* **Bad file:** unreadable, a missing column, a bad value on any row, or no
-  row for this GPU's arch: one WARNING, and the table is ignored as a whole,
-  never read in part. Rows of the right arch but another CU count warn once
-  at the first call on the device and are likewise ignored.
+  keeps its meaning, FlyDSL where eligible, with the kernel's default launch.
+* **Bad file:** one validator (:func:`check_row`) for every column of every
+  row, whatever its gfx: unreadable, a missing column or a bad value anywhere
+  gives one WARNING naming the file, line and column, and the table is ignored
+  as a whole, never read in part. No row for this GPU's arch likewise. Rows of
+  the right arch but another CU count are dropped by the router with one
+  WARNING at the first call on the device.
 
 The decision reads shapes only (a decode graph fixes batch and ``next_n``)
 and is memoised with the router's verdict, so it costs the hot path nothing.
@@ -31,15 +42,32 @@ from __future__ import annotations
 
 import csv
 import logging
+import math
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.envs import ACCEPTED, parse_bool
-from vllm_flydsl_indexer.kernels import cu_count
 from vllm_flydsl_indexer.target import Call, RouterView
+
+__all__ = [
+    "COLUMNS",
+    "KEY_COLUMNS",
+    "Pick",
+    "TableError",
+    "TunedRow",
+    "TunedTable",
+    "check_row",
+    "describe",
+    "load",
+    "read",
+    "read_rows",
+    "pick_for",
+    "where",
+]
 
 COLUMNS = (
     "gfx",
@@ -59,11 +87,22 @@ COLUMNS = (
     "gluon_us",
     "flydsl_us",
 )
+# aiter's lookup key: a later row of the same key replaces an earlier one.
+KEY_COLUMNS = COLUMNS[:8]
 BACKENDS = ("flydsl", "gluon")
-INT_COLUMNS = ("cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size")
+SIZE_COLUMNS = ("cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size")
+# Each backend's own knobs must be positive; the other backend's are written 0 (aiter's tuner).
+# FlyDSL's wg_per_cu may be 0: aiter's dispatcher reads 0 as its default.
+OWN_KNOBS = {"gluon": ("ChunkK", "WavePerEU"), "flydsl": ()}
+KNOB_COLUMNS = ("ChunkK", "WavePerEU", "wg_per_cu")
+TIME_COLUMNS = ("us", "gluon_us", "flydsl_us")
+# aiter's tuner leaves a backend's time empty when it had no correct candidate.
+OPTIONAL_TIME_COLUMNS = ("gluon_us", "flydsl_us")
 # aiter writes the context lengths a row was measured over as one int or a
 # ``;``-separated list (``8192;32768``, aiter PR #6140's shipped table).
 CONTEXT_LEN_SEPARATOR = ";"
+# aiter's reader skips lines starting with this.
+COMMENT = "#"
 # Where an aiter without the dispatcher may still ship its measured table.
 AITER_TABLE = ("aiter", "configs/paged_mqa_logits_tuned.csv")
 
@@ -72,7 +111,37 @@ ShapeKey = tuple[int, int, int, int, int, bool]
 
 
 class TableError(ValueError):
-    """Why a table file cannot be used (the WARNING's text)."""
+    """Why a table file cannot be used (the WARNING's text): file, line and column."""
+
+
+class TunedRow(NamedTuple):
+    """One validated row; ``text`` is the row as read, for writing it back unchanged."""
+
+    gfx: str
+    key: tuple[
+        int, int, int, int, int, int, bool
+    ]  # cu_num, batch_size, next_n, heads, head_dim, kvb, preshuffle
+    backend: str
+    wg_per_cu: int
+    text: dict[str, str]
+
+    @property
+    def shape(self) -> ShapeKey:
+        cus, _, next_n, heads, head_dim, kvb, preshuffle = self.key
+        return (cus, next_n, heads, head_dim, kvb, preshuffle)
+
+    @property
+    def batch(self) -> int:
+        return self.key[1]
+
+
+class Pick(NamedTuple):
+    """What a table says for one call: the arm, the bucket that decided, and the FlyDSL knob."""
+
+    backend: str  # "flydsl" or "gluon"
+    bucket: int  # the tuned batch_size at or below the call's
+    wg_per_cu: int  # the FlyDSL row's knob (0: the kernel's default launch)
+    conflict: str | None = None  # why the bucket's rows cannot be launched as one measurement
 
 
 def arch_of(gcn_arch: str) -> str:
@@ -80,11 +149,83 @@ def arch_of(gcn_arch: str) -> str:
     return gcn_arch.split(":", 1)[0].strip()
 
 
+def _int(text: str, least: int) -> int:
+    """An int cell, as aiter reads it (``3`` or ``3.0``); at least ``least``."""
+    try:
+        number = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not an integer") from None
+    if not math.isfinite(number) or number != int(number):
+        raise ValueError(f"{text!r} is not an integer")
+    value = int(number)
+    if value < least:
+        raise ValueError(f"{value} is not {'positive' if least == 1 else f'>= {least}'}")
+    return value
+
+
+def _time(text: str, optional: bool) -> float | None:
+    if optional and not text.strip():
+        return None
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise ValueError(f"{text!r} is not a number of microseconds") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{text!r} is not a finite, non-negative time")
+    return value
+
+
 def _context_lens(text: str) -> list[int]:
-    values = [int(part) for part in (text or "").split(CONTEXT_LEN_SEPARATOR) if part.strip()]
-    if not values:
-        raise ValueError("context_len is empty")
-    return values
+    parts = [part for part in text.split(CONTEXT_LEN_SEPARATOR) if part.strip()]
+    if not parts:
+        raise ValueError("is empty")
+    return [_int(part.strip(), 1) for part in parts]
+
+
+def _cell(row: dict[str, str | None], column: str) -> str:
+    value = row.get(column)
+    if value is None:
+        raise ValueError("is missing (the row is short)")
+    return value.strip()
+
+
+def check_row(row: dict[str, str | None]) -> TunedRow:
+    """Validate every column of one CSV row; raises ``ValueError("column ...: why")``."""
+
+    def cell(column: str) -> str:
+        try:
+            return _cell(row, column)
+        except ValueError as e:
+            raise ValueError(f"column {column}: {e}") from None
+
+    def checked(column: str, parse):
+        text = cell(column)
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise ValueError(f"column {column}: {e}") from None
+
+    if None in row:  # csv.DictReader puts a long row's extra cells under the key None
+        raise ValueError(
+            f"after column {COLUMNS[-1]}: {len(row[None])} more cell(s) "
+            f"than the header's {len(row) - 1} columns"
+        )
+    gfx = arch_of(cell("gfx"))
+    if not gfx:
+        raise ValueError("column gfx: is empty")
+    sizes = [checked(c, lambda t: _int(t, 1)) for c in SIZE_COLUMNS]
+    preshuffle = checked("preshuffle", _bool)
+    checked("context_len", _context_lens)
+    backend = checked("backend", _backend)
+    knobs = {c: checked(c, lambda t: _int(t, 0)) for c in KNOB_COLUMNS}
+    for column in OWN_KNOBS[backend]:
+        if knobs[column] < 1:
+            raise ValueError(f"column {column}: {knobs[column]} is not positive (a {backend} row's knob)")
+    for column in TIME_COLUMNS:
+        checked(column, lambda t, c=column: _time(t, c in OPTIONAL_TIME_COLUMNS))
+    key = (sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], preshuffle)
+    text = {c: (row.get(c) or "") for c in COLUMNS}
+    return TunedRow(gfx, key, backend, knobs["wg_per_cu"] if backend == "flydsl" else 0, text)
 
 
 def _bool(text: str) -> bool:
@@ -94,22 +235,69 @@ def _bool(text: str) -> bool:
     return value
 
 
+def _backend(text: str) -> str:
+    backend = text.lower()
+    if backend not in BACKENDS:
+        raise ValueError(f"{text!r} is not flydsl or gluon")
+    return backend
+
+
+def _uncommented(lines: Iterable[str]) -> Iterator[str]:
+    """aiter's reader skips ``#`` lines; a blank line keeps csv's line numbers right."""
+    for line in lines:
+        yield "\n" if line.lstrip().startswith(COMMENT) else line
+
+
+def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
+    """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one."""
+    reader = csv.DictReader(_uncommented(lines))
+    try:
+        fieldnames = reader.fieldnames
+    except csv.Error as e:
+        raise TableError(f"{source}: line {reader.line_num}: {e}") from None
+    missing = [c for c in COLUMNS if c not in (fieldnames or ())]
+    if missing:
+        raise TableError(f"{source}: missing column(s) {', '.join(missing)}")
+    rows = []
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as e:
+            raise TableError(f"{source}: line {reader.line_num}: {e}") from None
+        try:
+            rows.append(check_row(row))
+        except ValueError as e:
+            raise TableError(f"{source}: line {reader.line_num}, {e}") from None
+    return rows
+
+
 @dataclass
 class TunedTable:
-    """The rows of one GPU arch, grouped by shape: ``{key: {batch: {backends}}}``."""
+    """The rows of one GPU arch, grouped by shape: ``{key: {batch: [(backend, wg_per_cu), ...]}}``."""
 
     source: str
     gfx: str
     rows: int
-    shapes: dict[ShapeKey, dict[int, set[str]]] = field(default_factory=dict)
+    shapes: dict[ShapeKey, dict[int, list[tuple[str, int]]]] = field(default_factory=dict)
+    _picks: dict[tuple, Pick | None] = field(default_factory=dict, repr=False, compare=False)
 
     def cu_counts(self) -> set[int]:
         return {key[0] for key in self.shapes}
 
     def choice(
         self, cus: int, batch: int, next_n: int, heads: int, head_dim: int, block_size: int
-    ) -> tuple[str, int] | None:
-        """``(backend, tuned batch)`` for the call, or ``None`` when the table does not cover it."""
+    ) -> Pick | None:
+        """The table's :class:`Pick` for the call, or ``None`` when it does not cover it (memoised)."""
+        args = (cus, batch, next_n, heads, head_dim, block_size)
+        if args not in self._picks:
+            self._picks[args] = self._choice(*args)
+        return self._picks[args]
+
+    def _choice(
+        self, cus: int, batch: int, next_n: int, heads: int, head_dim: int, block_size: int
+    ) -> Pick | None:
         buckets = self.shapes.get((cus, next_n, heads, head_dim, block_size, block_size > 1))
         if not buckets:
             return None
@@ -117,48 +305,52 @@ class TunedTable:
         if not tuned:
             return None
         bucket = max(tuned)
-        backends = buckets[bucket]
-        return ("flydsl" if backends == {"flydsl"} else "gluon"), bucket
+        measured = buckets[bucket]
+        if any(backend != "flydsl" for backend, _ in measured):
+            return Pick("gluon", bucket, 0)
+        knobs = sorted({knob for _, knob in measured})
+        if len(knobs) > 1:
+            return Pick("flydsl", bucket, knobs[0], f"its FlyDSL rows disagree on wg_per_cu ({knobs})")
+        return Pick("flydsl", bucket, knobs[0])
+
+    @classmethod
+    def of(cls, rows: Iterable[TunedRow], source: str, gfx: str) -> TunedTable:
+        """The rows of ``gfx``; raises :class:`TableError` when there are none."""
+        table = cls(source, gfx, 0)
+        total = 0
+        for row in rows:
+            total += 1
+            if row.gfx != gfx:
+                continue
+            table.shapes.setdefault(row.shape, {}).setdefault(row.batch, []).append(
+                (row.backend, row.wg_per_cu)
+            )
+            table.rows += 1
+        if total == 0:
+            raise TableError(f"{source}: no rows")
+        if table.rows == 0:
+            raise TableError(f"{source}: no rows for {gfx} (of {total})")
+        return table
 
 
 def parse(lines: Iterable[str], source: str, gfx: str) -> TunedTable:
     """The rows of ``gfx`` in an aiter-format CSV; raises :class:`TableError` on any bad row."""
-    reader = csv.DictReader(lines)
-    missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
-    if missing:
-        raise TableError(f"{source}: missing column(s) {', '.join(missing)}")
-    table = TunedTable(source, gfx, 0)
-    total = 0
-    for number, row in enumerate(reader, start=2):
-        total += 1
-        try:
-            values = {c: int(row[c]) for c in INT_COLUMNS}
-            values["context_len"] = min(_context_lens(row["context_len"]))
-            preshuffle = _bool(row["preshuffle"])
-            backend = row["backend"].strip().lower()
-            if backend not in BACKENDS:
-                raise ValueError(f"backend {row['backend']!r} is not flydsl or gluon")
-            if min(values.values()) < 0 or values["batch_size"] < 1 or values["next_n"] < 1:
-                raise ValueError("sizes must be positive")
-        except (TypeError, ValueError, AttributeError) as e:
-            raise TableError(f"{source}: line {number}: {e}") from e
-        if arch_of(row["gfx"] or "") != gfx:
-            continue
-        key = (
-            values["cu_num"],
-            values["next_n"],
-            values["heads"],
-            values["head_dim"],
-            values["kv_block_size"],
-            preshuffle,
-        )
-        table.shapes.setdefault(key, {}).setdefault(values["batch_size"], set()).add(backend)
-        table.rows += 1
-    if total == 0:
-        raise TableError(f"{source}: no rows")
-    if table.rows == 0:
-        raise TableError(f"{source}: no rows for {gfx} (of {total})")
-    return table
+    return TunedTable.of(read_rows(lines, source), source, gfx)
+
+
+def read(source: str, gfx: str) -> TunedTable:
+    """The table in file ``source`` for ``gfx``; every failure is a :class:`TableError`.
+
+    Whatever the file is (a directory, unreadable, not UTF-8, NUL bytes, an
+    oversize field, empty, a header only), this raises nothing else.
+    """
+    try:
+        with open(source, encoding="utf-8", newline="") as f:
+            return parse(f, source, gfx)
+    except TableError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a table file must never crash startup or doctor
+        raise TableError(f"{source}: {type(e).__name__}: {e}") from None
 
 
 def table_source(env_value: str | None) -> str | None:
@@ -185,14 +377,9 @@ def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | N
     if source is None:
         return None
     try:
-        with open(source, newline="") as f:
-            return parse(f, source, gfx)
-    except (OSError, UnicodeDecodeError, csv.Error, TableError) as e:
-        logger.warning(
-            "%s %s",
-            TABLE_IGNORED_LINE,
-            e if isinstance(e, TableError) else f"{source}: {e}",
-        )
+        return read(source, gfx)
+    except TableError as e:
+        logger.warning("%s %s", TABLE_IGNORED_LINE, e)
         return None
 
 
@@ -203,9 +390,20 @@ def env_source() -> str | None:
 
 
 def describe(table: TunedTable) -> list[dict[str, object]]:
-    """Per shape and CU count, the arm of each batch bucket (for ``doctor``)."""
+    """Per shape and CU count, the arm (and FlyDSL knob) of each batch bucket (for ``doctor``)."""
     out = []
     for (cus, next_n, heads, head_dim, block_size, preshuffle), buckets in sorted(table.shapes.items()):
+        entries = []
+        for batch in sorted(buckets):
+            pick = table.choice(cus, batch, next_n, heads, head_dim, block_size)
+            assert pick is not None
+            entry: dict[str, object] = {
+                "batch_at_least": batch,
+                "arm": "flydsl" if pick.backend == "flydsl" and pick.conflict is None else "stock",
+            }
+            if pick.backend == "flydsl":
+                entry["wg_per_cu"] = pick.wg_per_cu
+            entries.append(entry)
         out.append(
             {
                 "cu_num": cus,
@@ -214,63 +412,20 @@ def describe(table: TunedTable) -> list[dict[str, object]]:
                 "head_dim": head_dim,
                 "kv_block_size": block_size,
                 "preshuffle": preshuffle,
-                "buckets": [
-                    {"batch_at_least": b, "arm": "flydsl" if backends == {"flydsl"} else "stock"}
-                    for b, backends in sorted(buckets.items())
-                ],
+                "buckets": entries,
             }
         )
     return out
 
 
-def _choice(call: Call, router: RouterView) -> tuple[str, int, int] | None:
-    """``(backend, batch bucket, CUs)`` of the router's table for this call, or ``None``.
-
-    A table with no rows for this GPU's CU count is dropped from the router,
-    with one WARNING.
-    """
+def pick_for(call: Call, router: RouterView, cus: int) -> Pick | None:
+    """The router's table's :class:`Pick` for this call on a GPU of ``cus`` CUs, or ``None``."""
     table = router.table
     if table is None:
         return None
     batch, next_n, heads, head_dim = call.q_fp8.shape
-    cus = cu_count(call.q_fp8.device)
-    if cus not in table.cu_counts():
-        router.logger.warning(
-            "%s %s has %s rows for CU count(s) %s, none for this GPU's %d CUs",
-            TABLE_IGNORED_LINE,
-            table.source,
-            table.gfx,
-            sorted(table.cu_counts()),
-            cus,
-        )
-        router.table = None
-        return None
-    pick = table.choice(cus, batch, next_n, heads, head_dim, call.kv_cache.shape[1])
-    return None if pick is None else (*pick, cus)
+    return table.choice(cus, batch, next_n, heads, head_dim, call.kv_cache.shape[1])
 
 
-def _where(table: TunedTable, bucket: int, cus: int) -> str:
-    return f"tuned table {table.source}, batch >= {bucket} on {table.gfx} with {cus} CUs"
-
-
-def table_rule(call: Call, router: RouterView) -> str | None:
-    """A measured table that found stock (Gluon) faster at this shape and batch keeps it stock."""
-    table = router.table
-    pick = _choice(call, router)
-    if pick is None or pick[0] == "flydsl":
-        return None
-    assert table is not None
-    _, next_n, heads, head_dim = call.q_fp8.shape
-    return (
-        f"{_where(table, pick[1], pick[2])} measured stock (Gluon) faster for heads={heads} "
-        f"head_dim={head_dim} KVBlockSize={call.kv_cache.shape[1]} next_n={next_n}"
-    )
-
-
-def flydsl_note(call: Call, router: RouterView) -> str:
-    """For the first-taken log line: the table's FlyDSL pick, when a table decided."""
-    table = router.table
-    pick = _choice(call, router)
-    if table is None or pick is None:
-        return ""
-    return f"; {_where(table, pick[1], pick[2])} measured FlyDSL faster"
+def where(table: TunedTable, pick: Pick, cus: int) -> str:
+    return f"tuned table {table.source}, batch >= {pick.bucket} on {table.gfx} with {cus} CUs"

@@ -6,10 +6,22 @@ Usage: ``python compile_config.py CHECKOUT HEADS HEAD_DIM KV_BLOCK_SIZE NEXT_N``
 Run by ``tests/test_real_wrapper.py`` in a fresh interpreter with
 ``COMPILE_ONLY=1 ARCH=gfx950 FLYDSL_GPU_ARCH=gfx950``, ``ROCM_PATH`` holding an
 LLVM 19+ ``llvm/bin/ld.lld`` and an empty ``FLYDSL_RUNTIME_CACHE_DIR``. Prints
-one line ``RESULT {json}``: the kernel variant that :func:`kernels.identify`
-finds in the checkout, then either why it does not take this configuration or
-what three routed calls did (flydsl compiles counted, the target and ELF
-header of every object produced, what the router did).
+one line ``RESULT {json}``: the kernel variant that :func:`identification.identify`
+finds in the checkout and which flydsl (version and path) this process
+imported, then either why it does not take this configuration or what three
+routed calls did (flydsl compiles counted, what every code object produced
+says it targets, what the router did).
+
+The target is read from the code object itself, not from what flydsl was
+asked for: its ELF header (``e_machine``, the ``EF_AMDGPU_MACH`` bits of
+``e_flags``, the OS ABI) and the ``amdhsa.target`` string of its
+``NT_AMDGPU_METADATA`` note, with the standard library only. The objects come
+from the module ``flydsl.compiler.jit_function.MlirCompiler.compile`` returns:
+each ``gpu.binary``'s ``gpu.object`` bytes, which flydsl's own loader reads
+too. That classmethod exists in flydsl 0.3.1, 0.4.2 and 0.5.0, with other
+arguments each time (0.3.1 and 0.4.2 ``compile(module, *, arch, func_name,
+link_libs)``, 0.5.0 ``compile(asm, *, func_name, config)``), so the hook
+passes whatever it gets through unread.
 
 A fresh process per configuration: flydsl keys its in-process compile cache
 on fewer things than the router's ``KernelConfig`` (the general kernel shares
@@ -122,8 +134,96 @@ def _stub_cuda_runtime() -> None:
     torch.cuda.device = lambda device: contextlib.nullcontext()
 
 
+NT_AMDGPU_METADATA = 32
+SHT_NOTE, PT_NOTE = 7, 4
+
+
+def _msgpack_str(data: bytes, at: int) -> str | None:
+    """The msgpack string starting at ``data[at]`` (fixstr, str8/16/32), else ``None``."""
+    if at >= len(data):
+        return None
+    tag = data[at]
+    if 0xA0 <= tag <= 0xBF:
+        size, start = tag & 0x1F, at + 1
+    elif tag in (0xD9, 0xDA, 0xDB):
+        width = {0xD9: 1, 0xDA: 2, 0xDB: 4}[tag]
+        if at + 1 + width > len(data):
+            return None
+        size, start = int.from_bytes(data[at + 1 : at + 1 + width], "big"), at + 1 + width
+    else:
+        return None
+    raw = data[start : start + size]
+    return raw.decode("utf-8", "replace") if len(raw) == size else None
+
+
+def _notes(blob: bytes, ranges) -> list[tuple[str, int, bytes]]:
+    """``(name, type, desc)`` of every ELF note in the byte ranges (4-byte aligned, as AMDGPU's)."""
+    found = []
+    for offset, size in ranges:
+        at, end = offset, min(offset + size, len(blob))
+        while at + 12 <= end:
+            namesz, descsz, ntype = struct.unpack_from("<III", blob, at)
+            name_at = at + 12
+            desc_at = name_at + (namesz + 3) // 4 * 4
+            if desc_at + descsz > end:
+                break
+            name = blob[name_at : name_at + namesz].rstrip(b"\0").decode("ascii", "replace")
+            found.append((name, ntype, blob[desc_at : desc_at + descsz]))
+            at = desc_at + (descsz + 3) // 4 * 4
+    return found
+
+
+def code_object(blob: bytes) -> dict:
+    """What an AMDGPU code object says it targets: its ELF header and ``amdhsa.target``.
+
+    Standard library only. ``amdhsa.target`` is read from the msgpack map of
+    the ``AMDGPU`` note of type ``NT_AMDGPU_METADATA`` (code object v3+); the
+    key is found by its encoding, the value decoded as a msgpack string.
+    """
+    info: dict = {"bytes": len(blob), "elf": False}
+    if not (blob[:4] == b"\x7fELF" and len(blob) >= 64 and blob[4] == 2 and blob[5] == 1):
+        info["head"] = blob[:16].hex()
+        return info  # only a 64-bit little-endian ELF can be an AMDGPU code object
+    e_machine = struct.unpack_from("<H", blob, 18)[0]
+    e_flags = struct.unpack_from("<I", blob, 48)[0]
+    e_phoff, e_shoff = struct.unpack_from("<QQ", blob, 32)
+    e_phentsize, e_phnum, e_shentsize, e_shnum = struct.unpack_from("<HHHH", blob, 54)
+    ranges = set()
+    for i in range(e_shnum if e_shentsize >= 64 else 0):
+        sh = e_shoff + i * e_shentsize
+        if sh + 64 <= len(blob) and struct.unpack_from("<I", blob, sh + 4)[0] == SHT_NOTE:
+            ranges.add(struct.unpack_from("<QQ", blob, sh + 24))  # sh_offset, sh_size
+    for i in range(e_phnum if e_phentsize >= 56 else 0):
+        ph = e_phoff + i * e_phentsize
+        if ph + 56 <= len(blob) and struct.unpack_from("<I", blob, ph)[0] == PT_NOTE:
+            offset, _, _, filesz = struct.unpack_from("<QQQQ", blob, ph + 8)
+            ranges.add((offset, filesz))
+    targets = []
+    notes = _notes(blob, sorted(ranges))
+    for name, ntype, desc in notes:
+        if name != "AMDGPU" or ntype != NT_AMDGPU_METADATA:
+            continue
+        key = bytes([0xA0 | len("amdhsa.target")]) + b"amdhsa.target"
+        at = desc.find(key)
+        while at >= 0:
+            value = _msgpack_str(desc, at + len(key))
+            if value is not None:
+                targets.append(value)
+            at = desc.find(key, at + 1)
+    info.update(
+        elf=True,
+        e_machine=e_machine,
+        e_flags=e_flags,
+        ei_osabi=blob[7],  # 64: ELFOSABI_AMDGPU_HSA
+        ei_abiversion=blob[8],  # 2, 3, 4: code object v4, v5, v6
+        notes=sorted({f"{name}:{ntype}" for name, ntype, _ in notes}),
+        amdhsa_targets=sorted(set(targets)),
+    )
+    return info
+
+
 def _objects(module) -> list[dict]:
-    """Every ``gpu.object`` of the compiled module: its target and ELF header."""
+    """Every ``gpu.object`` of the compiled module: what its code object says it targets."""
     from flydsl._mlir.dialects import gpu
 
     found = []
@@ -132,17 +232,8 @@ def _objects(module) -> list[dict]:
             continue
         for attr in op.attributes["objects"]:
             obj = gpu.ObjectAttr(attr)
-            blob = obj.object
-            elf = blob[:4] == b"\x7fELF" and len(blob) >= 52 and blob[4] == 2  # ELFCLASS64
-            found.append(
-                {
-                    "target": str(obj.target),
-                    "elf": elf,
-                    "e_machine": struct.unpack_from("<H", blob, 18)[0] if elf else None,
-                    "e_flags": struct.unpack_from("<I", blob, 48)[0] if elf else None,
-                    "bytes": len(blob),
-                }
-            )
+            # The MLIR target attribute only says what flydsl asked for; reported, not trusted.
+            found.append({"requested": str(obj.target), **code_object(obj.object)})
     return found
 
 
@@ -152,11 +243,10 @@ def _count_compiles(log: list[dict]) -> None:
 
     original = jit_function.MlirCompiler.compile.__func__
 
-    def compile(cls, module, **kwargs):  # noqa: A001 - the name flydsl calls
-        out = original(cls, module, **kwargs)
+    def compile(cls, *args, **kwargs):  # noqa: A001 - the name flydsl calls; its arguments differ by version
+        out = original(cls, *args, **kwargs)
         log.append(
             {
-                "arch": kwargs.get("arch"),
                 "func_name": kwargs.get("func_name"),
                 "kernels": sorted(set(_kernel_names(out))),
                 "objects": _objects(out),
@@ -167,6 +257,22 @@ def _count_compiles(log: list[dict]) -> None:
     jit_function.MlirCompiler.compile = classmethod(compile)
 
 
+def _flydsl() -> dict:
+    """The flydsl this process imported: the one that compiles."""
+    import flydsl
+
+    try:
+        from importlib.metadata import version
+
+        dist = version("flydsl")
+    except Exception:  # noqa: BLE001 - reported as unknown
+        dist = None
+    return {
+        "version": getattr(flydsl, "__version__", None) or dist,
+        "path": os.path.dirname(os.path.abspath(flydsl.__file__)),
+    }
+
+
 def _kernel_names(module) -> list[str]:
     import re
 
@@ -174,20 +280,22 @@ def _kernel_names(module) -> list[str]:
     return re.findall(r'#gpu\.kernel_metadata<"([^"]+)"', asm)
 
 
-def _find_variant(kernels):
+def _find_variant():
     """The first FlyDSL kernel module of the checkout, identified by the plugin's own rules."""
+    from vllm_flydsl_indexer import identification
+
     problems = []
-    for path in kernels.KERNEL_MODULES:
+    for path in identification.KERNEL_MODULES:
         try:
             module = importlib.import_module(path)
         except Exception as e:  # noqa: BLE001 - reported
             problems.append(f"{path}: {type(e).__name__}: {e}")
             continue
-        fn = getattr(module, kernels.KERNEL_NAME, None)
+        fn = getattr(module, identification.KERNEL_NAME, None)
         if not callable(fn):
-            problems.append(f"{path}: no {kernels.KERNEL_NAME}")
+            problems.append(f"{path}: no {identification.KERNEL_NAME}")
             continue
-        return kernels.identify(fn, module), problems
+        return identification.identify(fn, module), problems
     return None, problems
 
 
@@ -200,6 +308,7 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     _stub_cuda_runtime()
     compiles: list[dict] = []
     _count_compiles(compiles)
+    used = _flydsl()
 
     import logging
 
@@ -212,8 +321,8 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     from vllm_flydsl_indexer.tools.reference import gluon_contract_reference, make_paged_problem
 
     kernels._device_cu_count = lambda device_type, index: MI355X_CUS
-    variant, problems = _find_variant(kernels)
-    result: dict = {"problems": problems}
+    variant, problems = _find_variant()
+    result: dict = {"problems": problems, "flydsl": used}
     if not isinstance(variant, kernels.KernelVariant):
         result["variant"] = None
         result["unknown"] = variant

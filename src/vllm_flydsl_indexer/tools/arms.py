@@ -14,6 +14,7 @@ own function would not run aiter's Gluon kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import logging
@@ -24,16 +25,44 @@ import torch
 
 from vllm_flydsl_indexer._logging import get_logger
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
-from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
+from vllm_flydsl_indexer.identification import find_kernel
+from vllm_flydsl_indexer.kernels import KernelVariant, Limits
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.stock import StockHooks
 from vllm_flydsl_indexer.tools.reference import (
+    GENERAL,
+    VARIANT_CONTRACTS,
     PagedProblem,
+    VariantContract,
     flydsl_contract_reference,
     fp8_paged_mqa_logits_reference,
     gluon_contract_reference,
     per_sequence_lens,
+    variant_reference,
 )
+
+__all__ = [
+    "Arms",
+    "GLUON_KNOBS",
+    "GLUON_MODULES",
+    "GLUON_NAME",
+    "REFERENCE_LABEL",
+    "Workspace",
+    "c4a_block_flat",
+    "c4a_route_reference",
+    "contract_limits",
+    "detect_arms",
+    "device_is_gfx950",
+    "from_defining_module",
+    "mirror_hooks",
+    "patched_call",
+    "per_sequence_context_lens",
+    "raw_launch",
+    "reference_arms",
+    "reference_variant",
+    "stock_call",
+    "variant_order",
+]
 
 GLUON_MODULES = ("aiter.ops.triton.pa_mqa_logits", "aiter.ops.triton.attention.pa_mqa_logits")
 GLUON_NAME = "deepgemm_fp8_paged_mqa_logits"
@@ -47,14 +76,57 @@ class Arms:
     gluon: Callable[..., torch.Tensor]
     flydsl: Callable[..., torch.Tensor]
     variant: KernelVariant | None = None
+    # The API that reference arms pose as (check poses them as the found one).
+    contract: VariantContract = GENERAL
 
     def flydsl_variant(self) -> KernelVariant:
-        """The found API, or the reference contract posing as the general kernel."""
+        """The found API, or the FlyDSL arm posing as :attr:`contract`'s API (the general one by default)."""
         if self.variant is not None:
             return self.variant
-        return KernelVariant(
-            "general", self.flydsl, "reference FlyDSL contract", Limits(), "reference contract"
-        )
+        return dataclasses.replace(reference_variant(self.contract), fn=self.flydsl)
+
+    def pose_as(self, contract: VariantContract) -> None:
+        """Reference arms pose as ``contract``'s API; a substituted FlyDSL arm (a planted fault) is kept."""
+        if self.flydsl is flydsl_contract_reference:
+            self.flydsl = variant_reference(contract)
+        self.contract = contract
+
+
+def contract_limits(contract: VariantContract) -> Limits:
+    """The :class:`Limits` of a reference contract (the general kernel's are the general rule)."""
+    if contract.heads is None:
+        return Limits()
+
+    def one(value: int | None) -> frozenset[int] | None:
+        return None if value is None else frozenset({value})
+
+    return Limits(
+        heads=contract.heads,
+        head_dims=one(contract.head_dim),
+        block_sizes=one(contract.block_size),
+        index_dim=contract.index_dim,
+        max_next_n=contract.max_next_n,
+        preshuffle_required=True,
+        q_contiguous=True,
+    )
+
+
+def reference_variant(contract: VariantContract) -> KernelVariant:
+    """A :class:`KernelVariant` shaped like ``contract``'s API, its function the pure-torch reference
+    that raises as that API's wrapper does."""
+    return KernelVariant(
+        contract.name,
+        variant_reference(contract),
+        f"reference {contract.name} FlyDSL contract",
+        contract_limits(contract),
+        f"reference contract of the {contract.name} FlyDSL kernel",
+        contract.split_kv_wg_per_cu,
+    )
+
+
+def variant_order(found: str | None) -> tuple[VariantContract, ...]:
+    """Every FlyDSL API the plugin knows, the found one first (the dispatcher dispatches to them)."""
+    return tuple(sorted(VARIANT_CONTRACTS, key=lambda c: c.name != found))
 
 
 def _find_gluon() -> tuple[Callable | None, str]:

@@ -1,32 +1,40 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``check``'s router-behaviour cases: the paths that depend on a router's options and history.
+"""``check``'s router-behaviour cases: the paths that depend on a router's API, options and history.
 
 The model and bounds cases share one router and ask which arm each call
 takes. These cases each build a fresh router with
 :class:`~vllm_flydsl_indexer.router.FlyDSLRouter`'s public constructor, as the
 patch builds it, and make a few calls in order, because what they test is what
-earlier calls leave behind:
+earlier calls leave behind. Every case runs once per FlyDSL API the plugin
+knows (general, gfx950, gfx950-early; the found one first), on a reference
+contract shaped like that API (:func:`~vllm_flydsl_indexer.tools.arms.reference_variant`):
+its limits, its SplitKV rule, and a pure-torch kernel that raises as its
+wrapper does for what it refuses.
 
-* **tuned table**: a small table, parsed from memory by
-  :func:`vllm_flydsl_indexer.tuning.parse`, measured FlyDSL faster at batch 1
-  and stock (Gluon) faster from batch 3 at KVB 64, and has no row for KVB 1.
-  Batch 2 takes FlyDSL, batch 3 stays stock, KVB 1 (not covered) takes FlyDSL.
-* **verify-on-enable canary, arms agree**: the canary runs once, on the first
-  call, passes, and every call takes FlyDSL.
-* **verify-on-enable canary, FlyDSL wrong**: a FlyDSL arm that negates every
-  value it writes. The canary catches it on the first call, which returns
-  stock's answer; later calls, of any configuration, stay stock and launch nothing.
-* **FlyDSL kernel raises**: a kernel that raises from its second KVB-64 launch
-  on. That call returns stock's answer; later calls of that configuration, at
-  any batch, stay stock and launch nothing; another configuration still takes FlyDSL.
+* **API limits**: heads, KVBlockSize, next_n, a strided q.
+* **bounds and callers**: an unknown caller at next_n 2, next_n 1 with (B, 2) bounds.
+* **memo collisions**: DCP 2 after DCP 1, and a strided cache after a contiguous
+  one, each with identical shapes: the memo key must tell them apart.
+* **Preshuffle differs from stock's**: hooks whose ``preshuffle`` says plain.
+* **pool at the i32 offset limit**: shapes only, through the router's rules
+  with meta tensors (no launch, no 2 GiB allocated).
+* **tuned table**: next_n 1 and 2 rows, several batch buckets, rows of another
+  gfx, and FlyDSL rows whose ``wg_per_cu`` sets SplitKV.
+* **verify-on-enable canary**: arms agree; a FlyDSL arm that negates every
+  value; one that leaves one read column unwritten.
+* **FlyDSL kernel raises**: from its second paged launch on.
 
-Every call is at next_n 1 from the defining module's indexer, at the bounds
-cases' head shape. Both arms are always the reference contracts (pure torch)
-over the mirror of stock, even where real kernels exist: these cases test the
-router, and a planted fault must never reach a real kernel. A case passes when
-every call took the arm written here, launched FlyDSL the number of times
-written here, and returned stock's answer exactly in the read windows, and the
-canary ran as often as written here.
+A step's written arm is for an API that takes the call; where the API's
+reference contract refuses it (or cannot launch the tuned row's knob) the step
+expects stock and no launch. Every launch's knobs (Preshuffle, KVBlockSize,
+SplitKV) are compared with what that API must receive, computed here from
+aiter's rule. A case passes when every call took the expected arm, launched
+FlyDSL the expected number of times with the expected knobs, returned stock's
+answer exactly in the read windows, and the canary ran as often as written.
+
+Last, a self-test of the agreement rule: arm pairs that differ only by a NaN,
+only by one ``-inf`` column, or only by one value must each be reported as
+disagreeing, by that name.
 """
 
 from __future__ import annotations
@@ -41,52 +49,194 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer import tuning
-from vllm_flydsl_indexer.agreement import compare_in_windows, make_verifier, read_window_ends
+from vllm_flydsl_indexer.agreement import (
+    REAL_KERNEL_TOLERANCE,
+    compare_in_windows,
+    make_verifier,
+    read_window_ends,
+)
 from vllm_flydsl_indexer.kernels import cu_count
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.tools.arms import Workspace, mirror_hooks, reference_arms, stock_call
+from vllm_flydsl_indexer.target import Call, call_key
+from vllm_flydsl_indexer.tools.arms import (
+    Workspace,
+    mirror_hooks,
+    per_sequence_context_lens,
+    reference_arms,
+    reference_variant,
+    stock_call,
+)
 from vllm_flydsl_indexer.tools.cases import INDEXER, Case, build_problem
-from vllm_flydsl_indexer.tools.reference import PagedProblem, flydsl_contract_reference
+from vllm_flydsl_indexer.tools.reference import (
+    PagedProblem,
+    VariantContract,
+    contract_violation,
+    expected_split_kv,
+    mtp_bounds,
+)
+
+__all__ = [
+    "AITER_COLUMNS",
+    "BEHAVIOURS",
+    "Behaviour",
+    "BehaviourResult",
+    "CONTEXT_LEN",
+    "HEADER",
+    "I32_LIMIT",
+    "OTHER_GFX",
+    "PlantedKernel",
+    "Problems",
+    "SELF_TESTS",
+    "SELF_TEST_HEADER",
+    "SelfTestResult",
+    "Step",
+    "TABLE_GFX",
+    "TABLE_ROWS",
+    "TABLE_SOURCE",
+    "agreement_self_test",
+    "expect",
+    "expected_knobs",
+    "fail_lines",
+    "pool_args",
+    "run_behaviour",
+    "self_test_fail_lines",
+    "self_test_table",
+    "table",
+    "tuned_table",
+]
 
 FLYDSL, STOCK = "FlyDSL", "stock"
 CONTEXT_LEN = 256
-# The in-memory table: (batch at least, backend) at KVB 64, next_n 1; nothing for KVB 1.
-TABLE_ROWS = ((1, "flydsl"), (3, "gluon"))
+I32_LIMIT = 2**31
+# aiter's tuned-CSV columns, as aiter's tuner writes them (tests pin them to tuning.COLUMNS).
+AITER_COLUMNS = (
+    "gfx",
+    "cu_num",
+    "batch_size",
+    "next_n",
+    "heads",
+    "head_dim",
+    "kv_block_size",
+    "preshuffle",
+    "context_len",
+    "backend",
+    "ChunkK",
+    "WavePerEU",
+    "wg_per_cu",
+    "us",
+    "gluon_us",
+    "flydsl_us",
+)
+# The in-memory table: (gfx, batch at least, next_n, backend, wg_per_cu), all at KVB 64; none for KVB 1.
 TABLE_GFX = "reference"
+OTHER_GFX = "gfx942"
+TABLE_ROWS = (
+    (TABLE_GFX, 1, 1, "flydsl", 2),  # FlyDSL with SplitKV from wg_per_cu 2
+    (TABLE_GFX, 2, 1, "flydsl", 0),  # FlyDSL, the API's default launch
+    (TABLE_GFX, 3, 1, "gluon", 0),
+    (TABLE_GFX, 1, 2, "gluon", 0),  # next_n 2: stock faster
+    (OTHER_GFX, 2, 1, "gluon", 0),  # another GPU's row: never read here
+)
 TABLE_SOURCE = "check's in-memory table"
 HEADER = (
-    "router behaviour: a fresh router per case, calls in order (batch/KVBlockSize, next_n 1); "
-    "always the reference contracts (pure torch), even where real kernels exist"
+    "router behaviour: a fresh router per case, calls in order (batch/KVBlockSize, then what differs), "
+    "once per FlyDSL API on its reference contract (pure torch), even where real kernels exist"
 )
+SELF_TEST_HEADER = "agreement rule self-test: arm pairs that differ in one way only must disagree, by name"
 
 
 @dataclass(frozen=True)
 class Step:
-    """One call of a case, and what the router must do with it."""
+    """One call of a case, and what the router must do with it where the API takes the call."""
 
     batch: int
     block_size: int
     arm: str
     launches: int  # FlyDSL launches this call makes
+    next_n: int = 1
+    heads: int | None = None  # None: the case's head count
+    caller: str | None = INDEXER
+    # "": plain; "strided" cache or "q-strided" (same shapes); "bounds2": next_n 1 with (B, 2)
+    # bounds; "pool-at"/"pool-below": a pool at / just below 2**31 bytes (shapes only).
+    form: str = ""
+    dcp: int = 1
+    wg: int = 0  # the tuned row's wg_per_cu that the launch must carry
 
     @property
     def shape(self) -> str:
-        return f"{self.batch}/{self.block_size}"
+        parts = [f"{self.batch}/{self.block_size}"]
+        parts += [f"n{self.next_n}"] if self.next_n != 1 else []
+        parts += [f"H{self.heads}"] if self.heads else []
+        parts += ["unknown"] if self.caller is None else []
+        parts += [self.form] if self.form else []
+        parts += [f"dcp{self.dcp}"] if self.dcp != 1 else []
+        return " ".join(parts)
 
 
 @dataclass(frozen=True)
 class Behaviour:
     label: str
     steps: tuple[Step, ...]
-    fault: str | None = None  # of the FlyDSL arm: "wrong" or "raises"
+    fault: str | None = None  # of the FlyDSL arm: "wrong", "unwritten" or "raises"
     canary: bool = False
     table: bool = False
+    plain_stock: bool = False  # stock's hooks read every cache without Preshuffle
+    shapes_only: bool = False  # the router's verdict on meta tensors; nothing launched
 
 
 BEHAVIOURS = (
     Behaviour(
+        "API limits",
+        (
+            Step(2, 64, FLYDSL, 1),
+            Step(2, 64, FLYDSL, 1, heads=64),
+            Step(2, 16, FLYDSL, 1),
+            Step(2, 1, FLYDSL, 1),
+            Step(2, 64, FLYDSL, 1, next_n=3),
+            Step(2, 64, FLYDSL, 1, next_n=9),
+            Step(2, 64, FLYDSL, 1, form="q-strided"),
+        ),
+    ),
+    Behaviour(
+        "bounds and callers",
+        (
+            Step(2, 64, FLYDSL, 1, next_n=2),
+            Step(2, 64, STOCK, 0, next_n=2, caller=None),
+            Step(2, 64, STOCK, 0, form="bounds2"),
+            Step(2, 64, FLYDSL, 1, caller=None),
+        ),
+    ),
+    Behaviour(
+        "memo: DCP 2 after DCP 1, same shapes",
+        (
+            Step(2, 64, FLYDSL, 1, next_n=2),
+            Step(2, 64, STOCK, 0, next_n=2, dcp=2),
+            Step(2, 64, FLYDSL, 1, dcp=2),
+        ),
+    ),
+    Behaviour(
+        "memo: strided cache after contiguous, same shapes",
+        (Step(2, 64, FLYDSL, 1), Step(2, 64, STOCK, 0, form="strided"), Step(2, 64, FLYDSL, 1)),
+    ),
+    Behaviour(
+        "Preshuffle differs from stock's",
+        (Step(2, 64, STOCK, 0), Step(2, 1, FLYDSL, 1)),
+        plain_stock=True,
+    ),
+    Behaviour(
+        "pool at the i32 offset limit (shapes only)",
+        (Step(2, 64, STOCK, 0, form="pool-at"), Step(2, 64, FLYDSL, 0, form="pool-below")),
+        shapes_only=True,
+    ),
+    Behaviour(
         "tuned table",
-        (Step(2, 64, FLYDSL, 1), Step(3, 64, STOCK, 0), Step(2, 1, FLYDSL, 1)),
+        (
+            Step(1, 64, FLYDSL, 1, wg=2),
+            Step(2, 64, FLYDSL, 1),
+            Step(3, 64, STOCK, 0),
+            Step(2, 64, STOCK, 0, next_n=2),
+            Step(2, 1, FLYDSL, 1),
+        ),
         table=True,
     ),
     Behaviour(
@@ -98,6 +248,12 @@ BEHAVIOURS = (
         "verify-on-enable canary, FlyDSL wrong",
         (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 0)),
         fault="wrong",
+        canary=True,
+    ),
+    Behaviour(
+        "verify-on-enable canary, FlyDSL leaves a column unwritten",
+        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 0)),
+        fault="unwritten",
         canary=True,
     ),
     Behaviour(
@@ -117,6 +273,8 @@ BEHAVIOURS = (
 @dataclass
 class BehaviourResult:
     behaviour: Behaviour
+    variant: str
+    expected: list[str]
     taken: list[str]
     launches: list[int]
     canary_runs: int
@@ -128,90 +286,175 @@ class BehaviourResult:
 
 
 class PlantedKernel:
-    """The reference FlyDSL contract, counted, and wrong or raising on purpose."""
+    """An API's reference contract, counted (with each launch's knobs), and wrong or raising on purpose."""
 
-    def __init__(self, fault: str | None):
+    def __init__(self, fault: str | None, reference: Callable[..., torch.Tensor]):
         self.fault = fault
+        self.reference = reference
         self.launches = 0
         self.paged_launches = 0
+        self.knobs: list[dict[str, object]] = []
 
     def __call__(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         self.launches += 1
+        self.knobs.append(dict(kwargs))
         if self.fault == "raises" and kv_cache.shape[1] > 1:
             self.paged_launches += 1
             if self.paged_launches > 1:
                 raise RuntimeError("planted by check: the FlyDSL launch failed")
-        result = flydsl_contract_reference(
-            q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs
-        )
+        before = out[0, 0].clone()
+        result = self.reference(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
         if self.fault == "wrong":
             out.neg_()  # wrong under any tolerance: values, -inf masks and top-k sets all differ
+        elif self.fault == "unwritten":
+            out[0, 0] = before  # one read column left as it was: the canary's NaN poison shows it
         return result
 
 
 def tuned_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
-    """:data:`TABLE_ROWS` in aiter's CSV format, read by the plugin's own parser."""
+    """:data:`TABLE_ROWS` in aiter's CSV format (:data:`AITER_COLUMNS`), read by the plugin's parser."""
     text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=tuning.COLUMNS)
+    writer = csv.DictWriter(text, fieldnames=AITER_COLUMNS)
     writer.writeheader()
-    for batch, backend in TABLE_ROWS:
-        writer.writerow(
-            dict(
-                gfx=TABLE_GFX,
-                cu_num=cus,
-                batch_size=batch,
-                next_n=1,
-                heads=heads,
-                head_dim=head_dim,
-                kv_block_size=64,
-                preshuffle=1,
-                context_len=CONTEXT_LEN,
-                backend=backend,
-                ChunkK=256,
-                WavePerEU=2,
-                wg_per_cu=8,
-                us=1.0,
-                gluon_us=1.0 if backend == "gluon" else 2.0,
-                flydsl_us=1.0 if backend == "flydsl" else 2.0,
-            )
+    for gfx, batch, next_n, backend, wg_per_cu in TABLE_ROWS:
+        gluon = backend == "gluon"
+        values = (
+            gfx,
+            cus,
+            batch,
+            next_n,
+            heads,
+            head_dim,
+            64,
+            1,
+            CONTEXT_LEN,
+            backend,
+            # As aiter's tuner writes them: each backend's own knobs, 0 for the other's.
+            256 if gluon else 0,
+            2 if gluon else 0,
+            wg_per_cu,
+            1.0,
+            1.0 if gluon else 2.0,
+            2.0 if gluon else 1.0,
         )
+        writer.writerow(dict(zip(AITER_COLUMNS, values, strict=True)))
     return tuning.parse(io.StringIO(text.getvalue()), TABLE_SOURCE, TABLE_GFX)
 
 
-def problems_for(
-    heads: int, head_dim: int, device: torch.device, seed: int
-) -> dict[tuple[int, int], PagedProblem]:
-    """One problem per (batch, KVBlockSize) the cases call with."""
-    shapes = sorted({(s.batch, s.block_size) for b in BEHAVIOURS for s in b.steps})
-    problems = {}
-    for i, (batch, block_size) in enumerate(shapes):
-        case = Case(
-            heads,
-            head_dim,
-            block_size,
-            1,
-            batch,
-            CONTEXT_LEN,
-            label=f"{batch}/{block_size}",
-            preshuffle=block_size > 1,
-        )
-        problems[batch, block_size] = build_problem(case, torch.Generator().manual_seed(seed + i), device)
-    return problems
+class Problems:
+    """The paged problem of each step, built once; a step's variants share its plain problem's shapes."""
+
+    def __init__(self, heads: int, head_dim: int, device: torch.device, seed: int):
+        self.heads, self.head_dim, self.device, self.seed = heads, head_dim, device, seed
+        self._built: dict[tuple, PagedProblem] = {}
+
+    def plain(self, step: Step) -> PagedProblem:
+        key = (step.batch, step.block_size, step.next_n, step.heads or self.heads)
+        if key not in self._built:
+            batch, block_size, next_n, heads = key
+            case = Case(heads, self.head_dim, block_size, next_n, batch, CONTEXT_LEN, label="")
+            case = dataclasses.replace(case, preshuffle=block_size > 1)
+            gen = torch.Generator().manual_seed(self.seed + len(self._built))
+            self._built[key] = build_problem(case, gen, self.device)
+        return self._built[key]
+
+    def get(self, step: Step) -> PagedProblem:
+        p = self.plain(step)
+        if step.form == "strided":
+            # Another layer's page interleaved in every block (a block-outer layout): same shapes.
+            both = torch.zeros((p.kv_cache.shape[0], 2, *p.kv_cache.shape[1:]), dtype=torch.uint8)
+            both = both.to(p.kv_cache.device)
+            both[:, 0] = p.kv_cache
+            return dataclasses.replace(p, kv_cache=both[:, 0])
+        if step.form == "q-strided":
+            padded = torch.zeros((*p.q_fp8.shape[:3], 2 * self.head_dim), dtype=torch.uint8)
+            padded = padded.to(p.q_fp8.device)
+            padded[..., : self.head_dim] = p.q_fp8.view(torch.uint8)
+            return dataclasses.replace(p, q_fp8=padded[..., : self.head_dim].view(torch.float8_e4m3fn))
+        if step.form == "bounds2":
+            lens = per_sequence_context_lens(p.context_lens).reshape(-1)
+            return dataclasses.replace(p, context_lens=mtp_bounds(lens, 2).to(p.context_lens.device))
+        return p
+
+
+def pool_args(step: Step, heads: int, head_dim: int, contract: VariantContract) -> tuple:
+    """Meta tensors (shapes only, nothing allocated) of a call whose pool is at or just below 2**31
+    bytes: exactly 2**31 where the API takes any index_dim (256 here), else the first pool of its
+    fixed index_dim at or above 2**31."""
+    index_dim = contract.index_dim or 256
+    row = step.block_size * index_dim
+    blocks = -(-I32_LIMIT // row) - (step.form == "pool-below")
+    meta = torch.device("meta")
+    rows = step.batch * step.next_n
+    return (
+        torch.empty(step.batch, step.next_n, heads, head_dim, dtype=torch.float8_e4m3fn, device=meta),
+        torch.empty(blocks, step.block_size, 1, index_dim, dtype=torch.uint8, device=meta),
+        torch.empty(rows, heads, dtype=torch.float32, device=meta),
+        torch.empty(step.batch, step.next_n, dtype=torch.int32, device=meta),
+        torch.empty(step.batch, -(-CONTEXT_LEN // step.block_size), dtype=torch.int32, device=meta),
+        None,
+        CONTEXT_LEN,
+    )
+
+
+def expected_knobs(
+    contract: VariantContract, batch: int, block_size: int, max_model_len: int, cus: int, wg: int
+):
+    """What ``contract``'s API must be launched with, written from aiter's rule."""
+    knobs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
+    if contract.split_kv_wg_per_cu is not None:
+        wg_per_cu = wg or contract.split_kv_wg_per_cu
+        knobs["SplitKV"] = expected_split_kv(cus, batch, max_model_len, block_size, wg_per_cu)
+    return knobs
+
+
+def expect(step: Step, contract: VariantContract, args: tuple, cus: int) -> tuple[str, int, dict | None]:
+    """(arm, launches, knobs) that ``contract``'s API must see for ``step``."""
+    q, kv, weights, lens, tables, _, max_model_len = args
+    if step.arm == STOCK and step.launches == 0:
+        return STOCK, 0, None
+    if step.wg and contract.split_kv_wg_per_cu is None:
+        return STOCK, 0, None  # the tuned row's SplitKV cannot be launched on this API
+    knobs = expected_knobs(contract, q.shape[0], kv.shape[1], max_model_len, cus, step.wg)
+    out = torch.empty(q.shape[0] * q.shape[1], max_model_len, device="meta")
+    refused = contract_violation(
+        contract, q, kv, weights, out, per_sequence_context_lens(lens), tables, max_model_len, **knobs
+    )
+    if refused is not None:
+        return STOCK, 0, None
+    return step.arm, step.launches, knobs
 
 
 def run_behaviour(
     behaviour: Behaviour,
-    problems: dict[tuple[int, int], PagedProblem],
-    heads: int,
-    head_dim: int,
+    contract: VariantContract,
+    problems: Problems,
     device: torch.device,
     topk: int,
     logger: logging.Logger,
 ) -> BehaviourResult:
-    rows = max(p.batch for p in problems.values())
-    workspace = Workspace(rows, CONTEXT_LEN, device)
+    """``behaviour`` on a fresh router whose FlyDSL API is ``contract``'s reference."""
+    result = BehaviourResult(behaviour, contract.name, [], [], [], 0, [])
+    try:
+        _run(behaviour, contract, problems, device, topk, logger, result)
+    except Exception as e:  # noqa: BLE001 - a case that cannot run fails; check goes on
+        result.problems.append(f"as {contract.name}: the case raised {type(e).__name__}: {e}")
+    return result
+
+
+def _run(
+    behaviour: Behaviour,
+    contract: VariantContract,
+    problems: Problems,
+    device: torch.device,
+    topk: int,
+    logger: logging.Logger,
+    result: BehaviourResult,
+) -> None:
+    workspace = Workspace(8, CONTEXT_LEN, device)
     stock = stock_call(reference_arms().gluon, workspace)
-    kernel = PlantedKernel(behaviour.fault)
+    reference = reference_variant(contract)
+    kernel = PlantedKernel(behaviour.fault, reference.fn)
     canary_runs = []
     verifier = None
     if behaviour.canary:
@@ -221,73 +464,91 @@ def run_behaviour(
             canary_runs.append(1)
             return agree(*args)
 
-    table = tuned_table(cu_count(device), heads, head_dim) if behaviour.table else None
-    variant = dataclasses.replace(reference_arms().flydsl_variant(), fn=kernel)
-    router = FlyDSLRouter(stock, variant, mirror_hooks(workspace), logger, verifier=verifier, table=table)
-    result = BehaviourResult(behaviour, [], [], 0, [])
+    cus = cu_count(device)
+    heads, head_dim = problems.heads, problems.head_dim
+    table = tuned_table(cus, heads, head_dim) if behaviour.table else None
+    hooks = mirror_hooks(workspace)
+    if behaviour.plain_stock:
+        hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
+    variant = dataclasses.replace(reference, fn=kernel)
+    router = FlyDSLRouter(stock, variant, hooks, logger, verifier=verifier, table=table)
+    tag = f"as {contract.name}"
     for number, step in enumerate(behaviour.steps, start=1):
-        where = f"call {number} ({step.shape})"
-        problem = problems[step.batch, step.block_size]
-        args = problem.call_args()
-        poison = workspace.get(problem.batch, problem.max_model_len)
+        where = f"{tag}, call {number} ({step.shape})"
+        if behaviour.shapes_only:
+            args = pool_args(step, step.heads or heads, head_dim, contract)
+        else:
+            args = problems.get(step).call_args()
+        # The CUs the router sees are those of the call's own device (meta tensors: 1), as serving's.
+        arm_wanted, launches_wanted, knobs_wanted = expect(step, contract, args, cu_count(args[0].device))
+        result.expected.append(arm_wanted)
+        router.hooks = dataclasses.replace(hooks, dcp_world_size=lambda dcp=step.dcp: dcp)
+        if behaviour.shapes_only:
+            # The memoised rules' verdict and launch, as a call of these shapes gets them: no tensor is read.
+            route = router._memoise(
+                call_key(args, 1, step.caller, step.dcp), Call.of(args, 1, step.caller, step.dcp)
+            )
+            arm = FLYDSL if route.reason is None else STOCK
+            result.taken.append(arm)
+            result.launches.append(0)
+            if arm != arm_wanted:
+                result.problems.append(f"{where} took {arm}, the case requires {arm_wanted}")
+            elif arm == FLYDSL and route.kwargs != knobs_wanted:
+                result.problems.append(
+                    f"{where} would launch {route.kwargs}, the API must get {knobs_wanted}"
+                )
+            continue
+        q = args[0]
+        rows = q.shape[0] * q.shape[1]
+        poison = workspace.get(rows, args[6])
         poison.fill_(float("nan"))
         expected = stock(*args).clone()
         poison.fill_(float("nan"))
         taken, launched = router.calls_taken, kernel.launches
         try:
-            out = router.call_from(INDEXER, *args).clone()
+            out = router.call_from(step.caller, *args).clone()
         except Exception as e:  # noqa: BLE001 - reported as this case's failure
             out = None
             result.problems.append(f"{where} raised {type(e).__name__}: {e}")
+        router.hooks = hooks
         arm = FLYDSL if router.calls_taken > taken else STOCK
         result.taken.append(arm if out is not None else "raised")
         result.launches.append(kernel.launches - launched)
-        if out is not None and arm != step.arm:
-            result.problems.append(f"{where} took {arm}, the case requires {step.arm}")
-        if result.launches[-1] != step.launches:
+        if out is not None and arm != arm_wanted:
+            result.problems.append(f"{where} took {arm}, the case requires {arm_wanted}")
+        if result.launches[-1] != launches_wanted:
             result.problems.append(
-                f"{where} launched FlyDSL {result.launches[-1]} time(s), the case requires {step.launches}"
+                f"{where} launched FlyDSL {result.launches[-1]} time(s), the case requires {launches_wanted}"
             )
+        for knobs in kernel.knobs[launched:]:
+            if knobs_wanted is not None and knobs != knobs_wanted:
+                result.problems.append(f"{where} launched with {knobs}, the API must get {knobs_wanted}")
         if out is not None:
-            ends = read_window_ends(problem.context_lens, problem.batch, 1)
+            # next_n 1 with (B, 2) bounds: stock's answer is over one length per sequence, its last.
+            lens = per_sequence_context_lens(args[3]) if step.form == "bounds2" else args[3]
+            ends = read_window_ends(lens, rows, q.shape[1])
             agreement = compare_in_windows(expected, out, ends, topk)
             if not agreement.ok(0.0):
                 result.problems.append(f"{where} did not return stock's answer ({agreement.describe()})")
     result.canary_runs = len(canary_runs)
     wanted = 1 if behaviour.canary else 0
     if result.canary_runs != wanted:
-        result.problems.append(f"the canary ran {result.canary_runs} time(s), the case requires {wanted}")
-    return result
-
-
-def run_behaviours(
-    heads: int,
-    head_dim: int,
-    device: torch.device,
-    topk: int,
-    seed: int,
-    logger: logging.Logger,
-    step: Callable[[str], None] = lambda label: None,
-) -> list[BehaviourResult]:
-    """Every case of :data:`BEHAVIOURS`, in order; ``step`` announces each."""
-    problems = problems_for(heads, head_dim, device, seed)
-    results = []
-    for behaviour in BEHAVIOURS:
-        step(behaviour.label)
-        results.append(run_behaviour(behaviour, problems, heads, head_dim, device, topk, logger))
-    return results
+        result.problems.append(
+            f"{tag}: the canary ran {result.canary_runs} time(s), the case requires {wanted}"
+        )
 
 
 def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
-    """The section's table: its header row, then one row per case."""
-    header = ("case", "calls", "expected", "taken", "FlyDSL launches", "canary", "result")
+    """The section's table: its header row, then one row per case and API."""
+    header = ("API", "case", "calls", "expected", "taken", "FlyDSL launches", "canary", "result")
     return [
         header,
         *[
             (
+                r.variant,
                 r.behaviour.label,
-                " ".join(s.shape for s in r.behaviour.steps),
-                " ".join(s.arm for s in r.behaviour.steps),
+                ", ".join(s.shape for s in r.behaviour.steps),
+                " ".join(r.expected),
                 " ".join(r.taken),
                 " ".join(map(str, r.launches)),
                 f"{r.canary_runs} run" if r.behaviour.canary else "-",
@@ -300,3 +561,62 @@ def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
 
 def fail_lines(results: list[BehaviourResult]) -> list[str]:
     return [f"FAIL {r.behaviour.label}: {problem}" for r in results for problem in r.problems]
+
+
+@dataclass
+class SelfTestResult:
+    label: str
+    part: str  # the part of the rule that must report it
+    ok: bool
+    said: str
+
+    @property
+    def problems(self) -> list[str]:
+        return [] if self.ok else [f"not reported as {self.part}: the rule said {self.said}"]
+
+
+def _pair(fault: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two logits rows of 16 read columns (of 20) that differ in one way only, and the window ends."""
+    expected = torch.linspace(1.0, 2.5, 20).view(1, 20).repeat(2, 1)
+    expected[:, 16:] = float("-inf")
+    actual = expected.clone()
+    if fault == "nan":
+        actual[1, 3] = float("nan")
+    elif fault == "-inf":
+        actual[1, 3] = float("-inf")
+    else:
+        actual[1, 3] = -actual[1, 3]
+    return expected, actual, torch.tensor([16, 16])
+
+
+SELF_TESTS = (
+    ("a NaN inside a read window", "nan", "NaN read"),
+    ("one -inf column inside a read window", "-inf", "-inf mask DIFFERENT"),
+    ("one value", "value", "rel diff above the rule"),
+)
+
+
+def agreement_self_test(topk: int) -> list[SelfTestResult]:
+    """Each pair of :data:`SELF_TESTS` must disagree, by the named part, under the real-kernel rule."""
+    results = []
+    for label, fault, part in SELF_TESTS:
+        expected, actual, ends = _pair(fault)
+        found = compare_in_windows(expected, actual, ends, topk)
+        named = {
+            "nan": not found.nan_free,
+            "-inf": not found.mask_equal,
+            "value": not found.within(REAL_KERNEL_TOLERANCE),
+        }[fault]
+        results.append(
+            SelfTestResult(label, part, named and not found.ok(REAL_KERNEL_TOLERANCE), found.describe())
+        )
+    return results
+
+
+def self_test_table(results: list[SelfTestResult]) -> list[tuple[str, ...]]:
+    header = ("arms differ by", "must be reported as", "the rule said", "result")
+    return [header, *[(r.label, r.part, r.said, "PASS" if r.ok else "FAIL") for r in results]]
+
+
+def self_test_fail_lines(results: list[SelfTestResult]) -> list[str]:
+    return [f"FAIL agreement self-test, {r.label}: {p}" for r in results for p in r.problems]

@@ -30,15 +30,22 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.tools import cases, cli_args
+from vllm_flydsl_indexer.target import Call
+from vllm_flydsl_indexer.tools import cases, settings
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.cases import INDEXER
-from vllm_flydsl_indexer.tools.check import quiet_logger
+from vllm_flydsl_indexer.tools.harness import Timer, device_of, quiet_logger, write_or_print
+from vllm_flydsl_indexer.tools.interrupt import (
+    EXIT_INTERRUPTED,
+    StopSignal,
+    interrupted_note,
+    write_atomic_bytes,
+)
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import (
@@ -48,13 +55,29 @@ from vllm_flydsl_indexer.tools.reference import (
 )
 from vllm_flydsl_indexer.tools.table import format_table
 
-POOL_LIMIT_BYTES = cli_args.I32_LIMIT  # FlyDSL's i32 offsets
+__all__ = [
+    "ArmResult",
+    "CPU_NOTE",
+    "Shape",
+    "arm_callables",
+    "build_problem",
+    "copy_bandwidth_gbps",
+    "gate",
+    "main",
+    "plot",
+    "render",
+    "run",
+    "shapes_from",
+    "stock_note",
+    "stock_reason",
+    "traffic",
+    "write_outputs",
+]
+
 CPU_NOTE = (
     "note: CPU timings show the harness working, not kernel speed "
     "(the reference arms vary severalfold between identical runs)"
 )
-GPU_GRID = cli_args.BENCH_GPU_GRID
-CPU_GRID = cli_args.BENCH_CPU_GRID
 
 
 class Shape(cases.Shape):
@@ -63,24 +86,19 @@ class Shape(cases.Shape):
     @property
     def label(self) -> str:
         kind = "shuf" if self.block_size > 1 else "plain"
+        ctx = self.context_len
+        # Whole KiB as "k"; any other length exactly (256 and 512 were both "ctx0k").
         return (
             f"H{self.heads} D{self.head_dim} KVB{self.block_size}{kind} n{self.next_n} "
-            f"B{self.batch} ctx{self.context_len // 1024}k"
+            f"B{self.batch} ctx{f'{ctx // 1024}k' if ctx % 1024 == 0 else ctx}"
         )
 
-    def pool_bytes(self) -> int:
-        return cli_args.kv_pool_bytes(self.batch, self.context_len, self.block_size, self.head_dim)
-
-    def logits_bytes(self) -> int:
-        return self.batch * self.next_n * self.context_len * cli_args.LOGIT_BYTES
-
     def skipped(self, pool_blocks: int | None) -> str | None:
-        """Why this shape is not run, or ``None``."""
-        if self.pool_bytes() >= POOL_LIMIT_BYTES and not pool_blocks:
-            return "skipped: KV pool >= 2 GiB (FlyDSL i32 offsets)"
-        if self.logits_bytes() >= cli_args.I32_LIMIT:
-            return "skipped: logits buffer >= 2 GiB"
-        return None
+        """Why this shape is not run, or ``None`` (with ``--pool-blocks`` only the logits count)."""
+        problem = settings.shape_fits(
+            self.batch, self.next_n, self.context_len, self.block_size, self.head_dim, pool=not pool_blocks
+        )
+        return None if problem is None else f"skipped: {problem}"
 
 
 @dataclass
@@ -111,29 +129,6 @@ def traffic(problem: PagedProblem) -> tuple[int, int]:
     w = problem.weights.numel() * 4
     flops = cols * heads * (2 * head_dim + 2)
     return kv + q + w + cols * 4, flops
-
-
-class Timer:
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def time_us(self, fn: Callable[[int], object], warmup: int, repeats: int) -> list[float]:
-        for i in range(warmup):
-            fn(i)
-        samples = []
-        for i in range(repeats):
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn(i)
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn(i)
-                samples.append((time.perf_counter() - t0) * 1e6)
-        return samples
 
 
 def copy_bandwidth_gbps(device: torch.device) -> float | None:
@@ -203,8 +198,7 @@ def gate(fn: Callable, baseline: torch.Tensor, problem: PagedProblem, paths: Pat
 
 
 def shapes_from(args, device: torch.device) -> list[Shape]:
-    grid = GPU_GRID if device.type == "cuda" else CPU_GRID
-    pick = {k: getattr(args, k) or v for k, v in grid.items()}
+    pick = settings.grid(args, device.type)
     return [
         Shape(h, args.head_dim, bs, n, b, c)
         for h, bs, n, b, c in itertools.product(
@@ -213,10 +207,17 @@ def shapes_from(args, device: torch.device) -> list[Shape]:
     ]
 
 
-def run(args) -> tuple[list[ArmResult], dict]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def stock_reason(arms: Arms, problem: PagedProblem) -> str:
+    """Why the router sent ``problem``'s call to stock: the variant's own verdict, else its rules'."""
+    call = Call.of(problem.call_args(), 1, INDEXER, 1)
+    return arms.flydsl_variant().violation(call) or "the router's rules send it to stock"
+
+
+def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:
+    """Every shape in turn; with ``stop``, a requested stop ends the run before the next shape."""
+    device = device_of(args)
     arms = detect_arms(device, force_reference=args.reference)
-    default_repeats, default_sets = cli_args.BENCH_TIMING["cuda" if device.type == "cuda" else "cpu"]
+    default_repeats, default_sets = settings.BENCH_TIMING["cuda" if device.type == "cuda" else "cpu"]
     repeats = args.repeats or default_repeats
     n_sets = args.input_sets or default_sets
     copy_bw = copy_bandwidth_gbps(device)
@@ -231,9 +232,14 @@ def run(args) -> tuple[list[ArmResult], dict]:
         default=shapes[0],
     )
     paths = build_paths(arms, device, largest.batch * largest.next_n, largest.context_len, quiet_logger())
+    completed = 0
     with paths.session(), Progress(len(shapes), "bench") as progress:
         for idx, shape in enumerate(shapes):
+            if stop is not None and stop.requested:
+                progress.stopped = True
+                break
             progress.step(shape.label)
+            completed += 1
             skipped = shape.skipped(args.pool_blocks)
             if skipped:
                 results.append(ArmResult(asdict(shape), "*", False, skipped))
@@ -252,7 +258,12 @@ def run(args) -> tuple[list[ArmResult], dict]:
                 r = ArmResult(
                     asdict(shape), name, real, "timed", kv_mb=kv_mb, gbytes=nbytes / 1e9, gflops=flops / 1e9
                 )
+                taken = paths.router.calls_taken
                 problem_ = gate(fn, baseline, p0, paths, real)
+                if name.startswith("patched-call"):
+                    # The router's own verdict on this shape: did its one gated call take FlyDSL?
+                    took = paths.router.calls_taken > taken
+                    r.extra["router"] = "FlyDSL" if took else f"stock: {stock_reason(arms, p0)}"
                 if problem_ is not None:
                     r.status = f"FAILED-GATE: {problem_}"
                     results.append(r)
@@ -273,10 +284,14 @@ def run(args) -> tuple[list[ArmResult], dict]:
         "arms_why": arms.why,
         "repeats": repeats,
         "input_sets": n_sets,
+        "pool_blocks": args.pool_blocks,
         "copy_bw_gbps": copy_bw,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
         "command": "vllm-flydsl-indexer " + " ".join(_portable(a) for a in sys.argv[1:]),
+        "interrupted": completed < len(shapes),
+        "completed": completed,
+        "planned": len(shapes),
     }
     return results, meta
 
@@ -284,6 +299,21 @@ def run(args) -> tuple[list[ArmResult], dict]:
 def _portable(arg: str) -> str:
     """Output paths as their file names, so recorded results name no machine paths."""
     return os.path.basename(arg) if os.sep in arg else arg
+
+
+def stock_note(results: list[ArmResult]) -> str | None:
+    """One line naming the shapes where the patched call ran stock (the router's verdict), or ``None``."""
+    by_reason: dict[str, list[str]] = {}
+    arm = ""
+    for r in results:
+        routed = r.extra.get("router", "")
+        if routed.startswith("stock: "):
+            arm = r.arm
+            by_reason.setdefault(routed.removeprefix("stock: "), []).append(Shape(**r.shape).label)
+    if not by_reason:
+        return None
+    shapes = "; ".join(f"{', '.join(labels)} ({reason})" for reason, labels in by_reason.items())
+    return f'bench: no FlyDSL variant takes {shapes}; its "{arm}" arm runs stock there'
 
 
 def _speedups(rows: list[ArmResult]) -> None:
@@ -326,13 +356,23 @@ def render(results: list[ArmResult], meta: dict) -> str:
             )
         )
     copy = f"{meta['copy_bw_gbps']:.0f} GB/s" if meta["copy_bw_gbps"] else "n/a (CPU)"
-    head = [
+    head = []
+    if meta.get("interrupted"):
+        head.append(
+            f"INTERRUPTED: {meta['completed']}/{meta['planned']} shapes finished; the rest were not run"
+        )
+    head += [
         f"device: {meta['device']}  arms: {meta['arms']}"
         + (f" [{meta['arms_why']}]" if meta["arms_why"] else ""),
         f"stock: {meta['stock']}",
         f"repeats: {meta['repeats']}  input sets rotated: {meta['input_sets']}  measured copy bw: {copy}",
-        "x base = median speedup over gluon where present, else over the reference",
     ]
+    if meta.get("pool_blocks"):
+        head.append(
+            f"pool blocks: {meta['pool_blocks']} shared physical blocks (--pool-blocks: a cache study, "
+            "not the honest footprint)"
+        )
+    head.append("x base = median speedup over gluon where present, else over the reference")
     if meta["device"] == "cpu":
         head.append(CPU_NOTE)
     head.append("")
@@ -342,9 +382,10 @@ def render(results: list[ArmResult], meta: dict) -> str:
 def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str], list[str]]:
     """Write the requested files: one line per file written, and one per file that failed.
 
-    Each file was opened for writing before the run (``cli_args.output_problem``).
-    Should a write still fail, the JSON or CSV goes to stdout instead, so that what
-    was measured is never lost (the table above has every timing a plot would show).
+    Each file was opened for writing before the run (``cli_args.output_problem``);
+    each is replaced atomically, so an interrupted write leaves the old file. Should
+    a write still fail, the JSON or CSV goes to stdout instead, so that what was
+    measured is never lost (the table above has every timing a plot would show).
     """
     written, failed = [], []
     texts = {}
@@ -358,19 +399,15 @@ def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str]
             for r in results
         ]
         out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(flat[0]))
+        columns = [f.name for f in fields(Shape)]
+        columns += [f.name for f in fields(ArmResult) if f.name not in ("shape", "extra")]
+        writer = csv.DictWriter(out, fieldnames=columns)
         writer.writeheader()
         writer.writerows(flat)
         texts["CSV", args.csv_path] = out.getvalue()
     for (kind, path), text in texts.items():
-        try:
-            with open(path, "w", newline="") as f:
-                f.write(text)
-        except OSError as e:
-            print(f"--- the {kind} that could not be written to {path} ---\n{text.rstrip()}\n--- end ---")
-            failed.append(f"bench: could not write {kind} to {path} ({e.strerror or e}); printed it above")
-            continue
-        written.append(f"bench: wrote {kind} to {os.path.abspath(path)}")
+        ok, line = write_or_print("bench", kind, path, text, newline="")
+        (written if ok else failed).append(line)
     if args.plot_path:
         try:
             plot(results, meta, args.plot_path)
@@ -406,19 +443,29 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
     ax.set_title(f"decode logits A/B on {meta['device']}\n{meta['arms']}", fontsize=9)
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    image = io.BytesIO()
+    fig.savefig(image, format=os.path.splitext(path)[1][1:].lower() or "png", dpi=120)
+    plt.close(fig)
+    write_atomic_bytes(path, image.getvalue())  # a temporary file beside it, then renamed over it
 
 
 def main(args) -> int:
     """``bench`` without ``--tune`` (the CLI sends ``--tune`` to ``tune.main``)."""
-    results, meta = run(args)
-    print(render(results, meta))
-    written, unwritten = write_outputs(results, meta, args)
+    with StopSignal("shape") as stop:
+        results, meta = run(args, stop)
+        print(render(results, meta))
+        written, unwritten = write_outputs(results, meta, args)
     for line in written:
         print(line)
     for line in unwritten:
         print(line, file=sys.stderr)
+    note = stock_note(results)
+    if note:
+        print(note, file=sys.stderr)
     failed = [r for r in results if r.status.startswith("FAILED")]
     if failed:
         print(f"bench: {len(failed)} arm(s) failed the correctness gate and were not timed", file=sys.stderr)
+    if meta.get("interrupted"):
+        print(interrupted_note(meta["completed"], meta["planned"]), file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 1 if failed or unwritten else 0

@@ -29,9 +29,29 @@ import torch
 
 from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.target import SCALE_BYTES
-from vllm_flydsl_indexer.tools.cli_args import CHECK_BLOCKS, CHECK_BOUNDS_BLOCK
 from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, mtp_bounds
+from vllm_flydsl_indexer.tools.settings import CHECK_BLOCKS, CHECK_BOUNDS_BLOCK
+
+__all__ = [
+    "BLOCKS",
+    "CALLER_LABELS",
+    "Case",
+    "DCP_SIZE",
+    "DSV41",
+    "INDEXER",
+    "KPOOL",
+    "KPOOL_RATIO",
+    "ONE_APART_CALLERS",
+    "Shape",
+    "UNSUPPORTED_HEADS",
+    "bounds_cases",
+    "build_problem",
+    "expected_arm",
+    "model_cases",
+    "mtp_next_n",
+    "sequence_lengths",
+]
 
 # (KVBlockSize, Preshuffle): vLLM's production layout, and the plain one.
 BLOCKS = CHECK_BLOCKS

@@ -14,10 +14,20 @@ wrongly shows. A case passes only when:
 * every column vLLM's consumers read agrees (:mod:`vllm_flydsl_indexer.agreement`);
 * when FlyDSL ran, it wrote exactly the columns that are read.
 
+On reference arms these cases run as the reference contract of the FlyDSL API
+that :func:`~vllm_flydsl_indexer.identification.find_kernel` found (the general
+one when none, or aiter's dispatcher, was found).
+
 Then the router-behaviour cases (:mod:`vllm_flydsl_indexer.tools.behaviour`),
-each a fresh router over a few calls in order, always on the reference
-contracts: a tuned table followed, the verify-on-enable canary passing and
-catching a wrong FlyDSL arm, and a kernel that raises sent to stock for good.
+each a fresh router over a few calls in order, once per FlyDSL API the plugin
+knows (the found one first), always on reference contracts shaped like that
+API: its limits, its SplitKV rule and launch knobs, bounds and callers, memo
+collisions, Preshuffle, the i32 pool limit, a tuned table, the
+verify-on-enable canary passing and catching wrong or unwritten columns, and a
+kernel that raises sent to stock for good. Last, a self-test of the agreement
+rule itself.
+
+The report reads: the scope, the found API, its cases, then the other APIs' cases.
 
 Exit status is non-zero on any failure.
 """
@@ -25,16 +35,16 @@ Exit status is non-zero on any failure.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from dataclasses import dataclass
 
 import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.identification import KernelLookup, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.tools import behaviour, cli_args
-from vllm_flydsl_indexer.tools.arms import Arms, detect_arms
+from vllm_flydsl_indexer.tools import behaviour, settings
+from vllm_flydsl_indexer.tools.arms import Arms, detect_arms, variant_order
 from vllm_flydsl_indexer.tools.cases import (
     BLOCKS,
     CALLER_LABELS,
@@ -45,10 +55,12 @@ from vllm_flydsl_indexer.tools.cases import (
     model_cases,
     mtp_next_n,
 )
+from vllm_flydsl_indexer.tools.harness import device_of, quiet_logger
+from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopSignal, interrupted_note
 from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
-from vllm_flydsl_indexer.tools.reference import PagedProblem
+from vllm_flydsl_indexer.tools.reference import GENERAL, VARIANT_CONTRACTS, PagedProblem
 from vllm_flydsl_indexer.tools.table import format_table
 
 __all__ = ["main"]
@@ -74,17 +86,9 @@ class CaseResult:
     note: str = ""
 
 
-def quiet_logger() -> logging.Logger:
-    """The routers' logger in ``check``: the table reports what they would log."""
-    logger = logging.getLogger("vllm_flydsl_indexer.tools.check.router")
-    logger.propagate = False
-    logger.addHandler(logging.NullHandler())
-    return logger
-
-
 def default_sizes(device: torch.device) -> tuple[int, int]:
     """(batch, context length): realistic on a GPU, scaled down on CPU."""
-    return cli_args.CHECK_SIZES["cuda" if device.type == "cuda" else "cpu"]
+    return settings.CHECK_SIZES["cuda" if device.type == "cuda" else "cpu"]
 
 
 def bounds_shape(models) -> ModelShape:
@@ -206,6 +210,22 @@ def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_ou
     )
 
 
+def found_line(lookup: KernelLookup, arms: Arms) -> str:
+    """What :func:`find_kernel` found, and what the cases ran as."""
+    posed = arms.flydsl_variant().name
+    if lookup.variant is None:
+        why = lookup.reason.split("; ")[0]
+        return f"found:   no FlyDSL API ({why}); the cases ran as the {posed} API's reference"
+    where = f"{lookup.variant.name} ({lookup.variant.location})"
+    if lookup.variant.own_table:
+        return (
+            f"found:   aiter's tuned dispatcher {where}: it picks Gluon or a FlyDSL API per shape by its own "
+            f"table, so the router behaviour below runs on every FlyDSL API it may pick; the model and "
+            f"bounds cases ran as {'the dispatcher' if arms.real else f'the {posed} API reference'}"
+        )
+    return f"found:   the {where} FlyDSL API; its cases come first"
+
+
 def render(
     results: list[CaseResult],
     arms: Arms,
@@ -213,9 +233,15 @@ def render(
     device: torch.device,
     note: str | None = None,
     behaviours: list[behaviour.BehaviourResult] | None = None,
+    planned: int | None = None,
+    lookup: KernelLookup | None = None,
+    self_tests: list[behaviour.SelfTestResult] | None = None,
 ) -> str:
+    """The report: scope, the found API and its cases, then the rest; ``planned``: how many
+    cases were to run, when an interrupt left some out."""
     header = (
         "case",
+        "API",
         "caller",
         "bounds",
         "expected",
@@ -228,9 +254,11 @@ def render(
         "top-k",
         "result",
     )
+    variant = arms.flydsl_variant()
     body = [
         (
             r.case.label,
+            variant.name,
             CALLER_LABELS.get(r.case.caller, r.case.caller),
             r.case.bounds,
             r.expected,
@@ -245,8 +273,11 @@ def render(
         )
         for r in results
     ]
-    dispatcher = arms.flydsl_variant().own_table
+    dispatcher = variant.own_table
+    scope = arms.label if arms.real else "reference contracts, not the real kernels"
     lines = [
+        f"scope:   {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
+        found_line(lookup or KernelLookup(None, "not looked up"), arms),
         f"stock:   {paths.label}",
         "patched: the plugin's router as serving installs it, called from each case's call site"
         + (
@@ -254,11 +285,12 @@ def render(
             if dispatcher
             else ""
         ),
-        f"kernels: {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
         f"device:  {device}; rule: the expected arm, identical -inf masks, rel diff "
         f"{'< 1e-3' if arms.real else '== 0 (exact)'}, identical top-k sets, FlyDSL writes == read columns"
         + (" (not for the dispatcher)" if dispatcher else ""),
         "",
+        f"model and bounds cases, as the {variant.name} API"
+        + ("" if arms.real else " (its reference contract)"),
         *format_table([header, *body]),
     ]
     for r in results:
@@ -280,32 +312,76 @@ def render(
     if note:
         lines.append(note)
     behaviours = behaviours or []
+    self_tests = self_tests or []
     if behaviours:
-        lines += ["", behaviour.HEADER, *format_table(behaviour.table(behaviours))]
-        lines += behaviour.fail_lines(behaviours)
-    passed = sum(r.ok for r in results) + sum(r.ok for r in behaviours)
-    lines += ["", f"{passed} passed, {len(results) + len(behaviours) - passed} failed"]
+        lines += ["", behaviour.HEADER]
+        first = behaviours[0].variant
+        ours = [r for r in behaviours if r.variant == first]
+        rest = [r for r in behaviours if r.variant != first]
+        lines += [
+            "",
+            f"as the {first} API"
+            + (" (found)" if lookup and lookup.variant and lookup.variant.name == first else ""),
+        ]
+        lines += [*format_table(behaviour.table(ours)), *behaviour.fail_lines(ours)]
+        if rest:
+            lines += ["", "as the other APIs the plugin knows"]
+            lines += [*format_table(behaviour.table(rest)), *behaviour.fail_lines(rest)]
+    if self_tests:
+        lines += ["", behaviour.SELF_TEST_HEADER, *format_table(behaviour.self_test_table(self_tests))]
+        lines += behaviour.self_test_fail_lines(self_tests)
+    ran = len(results) + len(behaviours) + len(self_tests)
+    passed = sum(r.ok for r in results) + sum(r.ok for r in behaviours) + sum(r.ok for r in self_tests)
+    last = f"{passed} passed, {ran - passed} failed"
+    if planned is not None and ran < planned:
+        last += f", {planned - ran} not run ({interrupted_note(ran, planned)})"
+    lines += ["", f"{last} ({scope})"]
     return "\n".join(lines)
 
 
+def lookup_kernel() -> KernelLookup:
+    """:func:`find_kernel`, which never raises; a failure is reported as the reason."""
+    try:
+        return find_kernel()
+    except Exception as e:  # noqa: BLE001 - check reports, never crashes on the lookup
+        return KernelLookup(None, f"lookup failed ({type(e).__name__}: {e})")
+
+
+def pose_as_found(arms: Arms, lookup: KernelLookup) -> None:
+    """Reference arms pose as the found API's reference contract (the general one if none, or the
+    dispatcher, was found), unless they already carry an API."""
+    if arms.real or arms.variant is not None:
+        return
+    name = lookup.variant.name if lookup.variant is not None else None
+    arms.pose_as(next((c for c in VARIANT_CONTRACTS if c.name == name), GENERAL))
+
+
 def main(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args)
     batch, context = default_sizes(device)
     batch = args.batch or batch
     context = args.context_len or context
-    next_ns = args.next_n or cli_args.CHECK_NEXT_NS
-    topk = args.topk or cli_args.DEFAULT_TOPK
+    next_ns = args.next_n or settings.CHECK_NEXT_NS
+    topk = args.topk or settings.DEFAULT_TOPK
     models = list(BY_NAME) if args.model == "all" else [args.model]
     cases = build_cases(models, args.block_size or BLOCKS, next_ns, batch, context)
     arms = detect_arms(device, force_reference=args.reference)
+    lookup = lookup_kernel()
+    pose_as_found(arms, lookup)
+    contracts = variant_order(lookup.variant.name if lookup.variant is not None else None)
     max_rows = max(c.batch * max(c.next_n, c.flattened) for c in cases)
     paths = build_paths(arms, device, max_rows, context, quiet_logger())
     capture_router = paths.make_router(is_capturing=lambda: True)
     results: list[CaseResult] = []
+    behaviours: list[behaviour.BehaviourResult] = []
+    self_tests: list[behaviour.SelfTestResult] = []
     problems: dict[str, PagedProblem] = {}
-    with Progress(len(cases) + len(behaviour.BEHAVIOURS), "check") as progress:
+    planned = len(cases) + len(contracts) * len(behaviour.BEHAVIOURS) + len(behaviour.SELF_TESTS)
+    with StopSignal("case") as stop, Progress(planned, "check") as progress:
         with paths.session():
             for i, case in enumerate(cases):
+                if stop.requested:
+                    break
                 progress.step(case.label)
                 gen = torch.Generator().manual_seed(args.seed + i)
                 like = problems.get(case.same_shapes_as) if case.same_shapes_as else None
@@ -313,11 +389,28 @@ def main(args) -> int:
                 problems[case.label] = problem
                 results.append(run_case(case, problem, paths, arms, topk, capture_router))
         shape = bounds_shape(models)
-        behaviours = behaviour.run_behaviours(
-            shape.heads, shape.head_dim, device, topk, args.seed + len(cases), quiet_logger(), progress.step
-        )
-    print(render(results, arms, paths, device, not_run_note(next_ns), behaviours))
-    if not all(r.ok for r in results) or not all(r.ok for r in behaviours):
+        inputs = behaviour.Problems(shape.heads, shape.head_dim, device, args.seed + len(cases))
+        for contract in contracts:
+            for case_ in behaviour.BEHAVIOURS:
+                if stop.requested:
+                    break
+                progress.step(f"{case_.label} (as {contract.name})")
+                behaviours.append(
+                    behaviour.run_behaviour(case_, contract, inputs, device, topk, quiet_logger())
+                )
+        if not stop.requested:
+            for label, _, _ in behaviour.SELF_TESTS:
+                progress.step(f"agreement rule self-test: {label}")
+            self_tests = behaviour.agreement_self_test(topk)
+        ran = len(results) + len(behaviours) + len(self_tests)
+        progress.stopped = ran < planned
+    print(
+        render(results, arms, paths, device, not_run_note(next_ns), behaviours, planned, lookup, self_tests)
+    )
+    failed = not all(r.ok for r in [*results, *behaviours, *self_tests])
+    if failed:
         print("check: FAILED (see the FAIL rows)", file=sys.stderr)
-        return 1
-    return 0
+    if ran < planned:
+        print(interrupted_note(ran, planned), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    return 1 if failed else 0

@@ -10,12 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.tools import cli_args, settings
+from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow
+
+__all__ = [
+    "build_parser",
+    "main",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = cli_args.OneLineParser(
-        prog=cli_args.PROG,
+        prog=settings.PROG,
         description="vLLM gfx950 indexer decode logits on aiter's FlyDSL kernel: diagnose, verify, measure.",
     )
     sub = parser.add_subparsers(dest="command", metavar="{doctor,check,bench}", required=True)
@@ -23,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="which arm vLLM would run here, gate by gate, and why")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--strict", action="store_true", help="exit 1 unless the FlyDSL arm would be active")
+    doctor.add_argument(
+        "--model",
+        metavar="M",
+        help="a Hugging Face model directory or a model_type: does its indexer reach FlyDSL here?",
+    )
 
     cli_args.add_check_arguments(
         sub.add_parser("check", help="prove the stock and FlyDSL arms agree on this machine")
@@ -33,13 +44,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (StopNow, KeyboardInterrupt):
+        # A second signal (StopNow), or a Ctrl-C before or after a command's own handlers.
+        print(f"{settings.PROG} {args.command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
+        from vllm_flydsl_indexer.tools import reach  # no torch: --model is checked before any work
+
+        try:
+            model = reach.resolve(args.model) if args.model is not None else None
+        except reach.ModelError as e:
+            settings.fail(f"{settings.PROG} doctor", str(e))
         from vllm_flydsl_indexer.tools import doctor
 
-        return doctor.main(as_json=args.json, strict=args.strict)
+        return doctor.main(as_json=args.json, strict=args.strict, model=model)
     problem = cli_args.validate(args)
     if problem is not None:
-        cli_args.fail(f"{cli_args.PROG} {args.command}", problem)
+        settings.fail(f"{settings.PROG} {args.command}", problem)
     if args.command == "check":
         from vllm_flydsl_indexer.tools import check as command
     elif args.tune_path:
@@ -54,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, MemoryError) and "out of memory" not in text and "can't allocate" not in text:
             raise
         print(
-            f"{cli_args.PROG} {args.command}: error: out of memory ({text[:200]}); "
+            f"{settings.PROG} {args.command}: error: out of memory ({text[:200]}); "
             "try a smaller --batch, --context-len or --next-n",
             file=sys.stderr,
         )

@@ -20,64 +20,58 @@ import importlib
 import itertools
 import os
 import re
-import sys
 from typing import NoReturn
 
-from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT as I32_LIMIT
-from vllm_flydsl_indexer.target import SCALE_BYTES
+from vllm_flydsl_indexer.tools import settings
 from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS
-
-PROG = "vllm-flydsl-indexer"
-# KVBlockSize > 1 means the preshuffled layout, which tiles the block by 16.
-BLOCK_ALIGN = 16
-# The names bench's --arms can pick (suffix [ref]: the calls over the reference contracts).
-BENCH_ARMS = (
-    "gluon",
-    "flydsl",
-    "stock-call",
-    "patched-call",
-    "stock-call[ref]",
-    "patched-call[ref]",
-    "reference",
+from vllm_flydsl_indexer.tools.settings import (
+    BENCH_ARMS,
+    BENCH_CPU_GRID,
+    BENCH_GPU_GRID,
+    BENCH_TIMING,
+    BLOCK_ALIGN,
+    CHECK_BLOCKS,
+    CHECK_BOUNDS_BLOCK,
+    CHECK_NEXT_NS,
+    CHECK_SIZES,
+    CHECK_SPARE_BLOCKS,
+    DEFAULT_TOPK,
+    DEVICES,
+    I32_LIMIT,
+    LIMITS,
+    LOGIT_BYTES,
+    NOT_WITH_TUNE,
+    PLOT_HINT,
+    SEED_LIMIT,
+    TUNE_DRY_RUN,
+    TUNE_NEEDS,
+    fail,
+    kv_pool_bytes,
+    shape_fits,
 )
-DEVICES = "cpu, cuda or cuda:N"
-SEED_LIMIT = 2**32  # each case adds its index; torch takes seeds below 2**64
-PLOT_HINT = "pip install matplotlib, or pip install -e '.[plot]' in the clone"
 
-# What the tool can run: FlyDSL addresses the KV pool with i32 offsets (a case
-# over it would be refused by the plugin), and the logits buffer (B*next_n rows
-# of context-length float32) is held to the same 2 GiB, so that the pure-torch
-# reference, which holds a few buffers of that size, stays allocatable.
-LOGIT_BYTES = 4
-LIMITS = "each case's KV pool and logits buffer must stay under 2 GiB (FlyDSL's i32 offsets)"
-
-# check's defaults (check.py uses these): (batch, context length) per device type.
-CHECK_SIZES = {"cuda": (32, 32768), "cpu": (4, 2048)}
-CHECK_NEXT_NS = (1, 2)
-CHECK_BLOCKS = (64, 1)  # vLLM's production layout (preshuffled), and the plain one
-CHECK_BOUNDS_BLOCK = 64  # the bounds cases' KVBlockSize
-CHECK_SPARE_BLOCKS = 2  # reference.make_paged_problem's spare blocks
-DEFAULT_TOPK = 2048  # vLLM's index_topk
-
-# bench's grids (bench.py and tune.py use these).
-BENCH_GPU_GRID = dict(
-    heads=HEADS,
-    block_size=(1, 64),
-    next_n=(1, 2),
-    batch=(1, 8, 32, 128),
-    context_len=(4096, 32768, 131072),
-)
-BENCH_CPU_GRID = dict(heads=HEADS, block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
-TUNE_GPU_GRID = dict(
-    heads=HEADS,
-    block_size=(64, 1),
-    next_n=(1, 2),
-    batch=(1, 4, 16, 32, 64, 128, 256),
-    context_len=(8192, 32768),
-)
-TUNE_REFERENCE_GRID = dict(heads=HEADS, block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,))
-# bench's timing defaults per device type: (timed iterations, input sets rotated).
-BENCH_TIMING = {"cuda": (20, 4), "cpu": (3, 2)}
+__all__ = [
+    "OUTPUTS",
+    "OneLineParser",
+    "Sized",
+    "add_bench_arguments",
+    "add_check_arguments",
+    "arm_list",
+    "block_size_list",
+    "default_device_type",
+    "device",
+    "device_problem",
+    "head_dim",
+    "non_negative_int",
+    "output_path",
+    "output_problem",
+    "positive_int",
+    "positive_int_list",
+    "seed",
+    "tune_file_problem",
+    "tune_problem",
+    "validate",
+]
 
 
 def _csv(values: tuple[int, ...]) -> str:
@@ -86,24 +80,6 @@ def _csv(values: tuple[int, ...]) -> str:
 
 def _per_device(gpu: object, cpu: object) -> str:
     return f"{gpu} on GPU; {cpu} on CPU"
-
-
-# bench options that --tune does not use: refused together with it, never silently ignored.
-NOT_WITH_TUNE = {
-    "csv_path": ("--csv", "--tune writes its table to OUT.csv; --json writes the tuned rows as JSON"),
-    "plot_path": ("--plot", "--tune draws no plot"),
-    "arms": ("--arms", "--tune times Gluon and FlyDSL"),
-    "vary_lengths": ("--vary-lengths", "--tune times exact lengths, as aiter's table keys them"),
-    "pool_blocks": ("--pool-blocks", "--tune times an honest footprint"),
-}
-TUNE_NEEDS = "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels"
-TUNE_DRY_RUN = "add --reference for a dry run on the reference contracts (rows marked gfx=reference)"
-
-
-def fail(prog: str, message: str) -> NoReturn:
-    """Print ``prog: error: message`` as exactly one line on stderr and exit 2."""
-    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -243,7 +219,9 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         help=f"top-k compared per row, at most --context-len (default {DEFAULT_TOPK}, vLLM's index_topk; "
         "a row shorter than that is compared whole)",
     )
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument(
+        "--seed", type=seed, default=0, help="seed of the random inputs; case i uses seed+i (default 0)"
+    )
 
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
@@ -293,7 +271,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=arm_list,
         help=f"comma list to run a subset of the available arms ({', '.join(BENCH_ARMS)})",
     )
-    p.add_argument("--warmup", type=non_negative_int, default=3)
+    p.add_argument(
+        "--warmup", type=non_negative_int, default=3, help="untimed calls per arm before timing (default 3)"
+    )
     p.add_argument(
         "--repeats",
         type=positive_int,
@@ -301,7 +281,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
-    p.add_argument("--seed", type=seed, default=0)
+    p.add_argument(
+        "--seed", type=seed, default=0, help="seed of the random inputs; shape i uses seed+i (default 0)"
+    )
     p.add_argument("--json", dest="json_path", type=output_path, help="write results as JSON")
     p.add_argument("--csv", dest="csv_path", type=output_path, help="write results as CSV")
     p.add_argument(
@@ -346,12 +328,6 @@ def default_device_type(args: argparse.Namespace) -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def kv_pool_bytes(batch: int, context_len: int, block_size: int, head_dim: int, spare_blocks: int = 0) -> int:
-    """The bytes of a paged KV pool, one distinct block per needed block (as make_paged_problem builds)."""
-    blocks = batch * max(1, -(-context_len // block_size)) + spare_blocks
-    return blocks * block_size * (head_dim + SCALE_BYTES)
 
 
 class Sized:
@@ -420,26 +396,12 @@ def _largest(ok) -> int:
     return low
 
 
-def bench_grid(args: argparse.Namespace, kind: str) -> dict[str, tuple[int, ...]]:
-    """The values bench (or bench --tune) will run: each option given, else its default."""
-    if getattr(args, "tune_path", None):
-        grid = TUNE_REFERENCE_GRID if args.reference else TUNE_GPU_GRID
-    else:
-        grid = BENCH_GPU_GRID if kind == "cuda" else BENCH_CPU_GRID
-    return {k: getattr(args, k) or v for k, v in grid.items()}
-
-
-def bench_shape_fits(batch: int, next_n: int, context_len: int, block_size: int, head_dim: int) -> bool:
-    """Whether bench can run a shape: its KV pool and logits buffer under :data:`I32_LIMIT`."""
-    pool = kv_pool_bytes(batch, context_len, block_size, head_dim)
-    return pool < I32_LIMIT and batch * next_n * context_len * LOGIT_BYTES < I32_LIMIT
-
-
 def _bench_fits(grid: dict[str, tuple[int, ...]], dim: int, key: str, value: int) -> bool:
-    """Whether some shape of ``grid`` with ``key = value`` fits :func:`bench_shape_fits`."""
+    """Whether some shape of ``grid`` with ``key = value`` fits (:func:`settings.shape_fits`)."""
     others = [k for k in ("batch", "next_n", "context_len") if k != key]
     return any(
-        bench_shape_fits(**dict(zip(others, rest, strict=True)), **{key: value}, block_size=bs, head_dim=dim)
+        shape_fits(**dict(zip(others, rest, strict=True)), **{key: value}, block_size=bs, head_dim=dim)
+        is None
         for rest in itertools.product(*(grid[k] for k in others))
         for bs in grid["block_size"]
     )
@@ -449,7 +411,7 @@ def _bench_sizes_problem(args: argparse.Namespace) -> str | None:
     """bench's limits: each --next-n <= every context length; each size value in some shape it can run."""
     # bench's default batch and context lists start at the same values on CPU and GPU
     # (tune's depend on --reference only), so no device is needed to check against them.
-    grid = bench_grid(args, "cpu")
+    grid = settings.grid(args, "cpu")
     sized = {
         key: Sized(flag, getattr(args, key), grid[key])
         for key, flag in (("batch", "--batch"), ("next_n", "--next-n"), ("context_len", "--context-len"))
@@ -507,21 +469,26 @@ def tune_problem(args: argparse.Namespace) -> str | None:
 
 
 def tune_file_problem(path: str) -> str | None:
-    """Why ``--tune path`` cannot be merged into: it exists, is not empty and is not aiter's format."""
+    """Why ``--tune path`` cannot be merged into: it exists, is not empty, and is not aiter's format
+    or has a row the plugin's validator (``tuning.check_row``) refuses."""
     from vllm_flydsl_indexer import tuning
 
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
         return None  # a new table
     try:
-        with open(path, newline="") as f:
-            header = tuple(next(csv.reader(f), ()))
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        with open(path, encoding="utf-8", newline="") as f:
+            if tuple(next(csv.reader(f), ())) != tuning.COLUMNS:
+                return (
+                    f"argument --tune: {path} is not an aiter-format tuned CSV (header "
+                    f"{','.join(tuning.COLUMNS)}); not overwriting it: "
+                    "give a new, empty or earlier --tune file"
+                )
+            f.seek(0)
+            tuning.read_rows(f, path)
+    except tuning.TableError as e:
+        return f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)"
+    except (OSError, UnicodeError, csv.Error, ValueError) as e:
         return f"argument --tune: cannot read {path} ({e}); not overwriting it"
-    if header != tuning.COLUMNS:
-        return (
-            f"argument --tune: {path} is not an aiter-format tuned CSV (header {','.join(tuning.COLUMNS)}); "
-            "not overwriting it: give a new, empty or earlier --tune file"
-        )
     return None
 
 

@@ -29,6 +29,23 @@ from vllm_flydsl_indexer.tools.models import (
     eligible_configs,
 )
 
+__all__ = [
+    "NOT_INSTALLED",
+    "PACKAGES",
+    "RAY_NON_CARRY_OVER_FILE",
+    "flydsl_requirement_report",
+    "kernel_report",
+    "layout_report",
+    "main",
+    "package_version",
+    "platform_report",
+    "ray_non_carry_over_report",
+    "render",
+    "report",
+    "stock_report",
+    "table_report",
+]
+
 NOT_INSTALLED = "not installed"
 # Distribution names to read versions from, first found wins. aiter's ROCm
 # wheels are published as amd-aiter; "aiter" on PyPI is an unrelated library.
@@ -104,17 +121,18 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
         return {"source": None, "note": f"none ({envs.TUNED_CSV} unset, no table shipped with aiter)"}
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
     try:
-        with open(source, newline="") as f:
-            table = tuning.parse(f, source, gfx)
-    except (OSError, UnicodeDecodeError, tuning.TableError, ValueError) as e:
+        table = tuning.read(source, gfx)  # the plugin's own reader: it raises only TableError
+    except tuning.TableError as e:
         return {"source": source, "note": f"IGNORED: {e}"}
-    return {
-        "source": source,
-        "gfx": gfx,
-        "rows": table.rows,
-        "shapes": tuning.describe(table),
-        "note": "in use",
-    }
+    shapes = tuning.describe(table)
+    for shape in shapes:
+        for bucket in shape["buckets"]:
+            knob = bucket.get("wg_per_cu")
+            problem = decision.variant.knob_problem(knob) if decision.variant and knob else None
+            if problem is not None:
+                bucket["arm"] = "stock"
+                bucket["why"] = f"the found kernel cannot take {problem}"
+    return {"source": source, "gfx": gfx, "rows": table.rows, "shapes": shapes, "note": "in use"}
 
 
 def layout_report(environ: dict[str, str] | None) -> dict[str, Any]:
@@ -123,6 +141,100 @@ def layout_report(environ: dict[str, str] | None) -> dict[str, Any]:
     value = env.get(LAYOUT_VARIABLE) or None
     block_outer = value is not None and value.strip().upper() in BLOCK_OUTER_LAYOUTS
     return {"variable": value, "block_outer": block_outer, "note": BLOCK_OUTER_NOTE}
+
+
+RAY_NON_CARRY_OVER_FILE = "ray_non_carry_over_env_vars.json"
+
+
+def _vllm_config_root(environ: dict[str, str] | None) -> str:
+    """``$VLLM_CONFIG_ROOT`` as vLLM computes it (its own ``vllm.envs`` when importable)."""
+    if environ is not None and environ.get("VLLM_CONFIG_ROOT"):
+        return os.path.expanduser(environ["VLLM_CONFIG_ROOT"])
+    try:
+        import vllm.envs
+
+        return str(vllm.envs.VLLM_CONFIG_ROOT)
+    except Exception:  # noqa: BLE001 - no (working) vLLM: its documented default
+        root = os.environ.get("VLLM_CONFIG_ROOT") or os.path.join(
+            os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config"), "vllm"
+        )
+        return os.path.expanduser(root)
+
+
+def ray_non_carry_over_report(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """Which of the plugin's variables vLLM's Ray executor would not copy to its workers; never raises."""
+    path = os.path.join(_vllm_config_root(environ), RAY_NON_CARRY_OVER_FILE)
+    data: dict[str, Any] = {"file": path, "listed": [], "warning": None}
+    try:
+        with open(path, encoding="utf-8") as f:
+            names = set(json.load(f))
+    except FileNotFoundError:
+        return data | {"note": f"no {path}: Ray workers get the plugin's variables"}
+    except (OSError, ValueError, TypeError) as e:
+        return data | {"note": f"cannot read {path} ({type(e).__name__}: {e})"}
+    listed = [name for name in envs.ALL_VARIABLES if name in names]
+    if not listed:
+        return data | {"note": f"{path} lists none of the plugin's variables"}
+    effect = "the plugin is inactive there" if envs.SWITCH in listed else "they run without it"
+    warning = f"{RAY_NON_CARRY_OVER_FILE} lists {', '.join(listed)}: Ray workers will not get it, so {effect}"
+    return data | {"listed": listed, "warning": warning, "note": warning}
+
+
+def _flydsl_requirement(requirements: list[str]) -> str | None:
+    """The ``flydsl`` entry of a ``Requires-Dist`` list, without its environment marker."""
+    for requirement in requirements:
+        spec = requirement.split(";", 1)[0].strip()
+        name = spec.split("[", 1)[0]
+        for sep in "<>=!~ (":
+            name = name.split(sep, 1)[0]
+        if name.strip().lower().replace("_", "-") == "flydsl":
+            return spec
+    return None
+
+
+def _satisfies(version: str, spec: str) -> bool:
+    """Whether ``version`` meets ``spec``'s specifier (``==`` only without ``packaging``)."""
+    specifier = spec[len("flydsl") :].strip().strip("()")
+    if not specifier:
+        return True
+    try:
+        from packaging.specifiers import InvalidSpecifier, SpecifierSet
+    except ImportError:
+        return not specifier.startswith("==") or specifier[2:].strip() == version
+    try:
+        return SpecifierSet(specifier).contains(version, prereleases=True)
+    except InvalidSpecifier:
+        return True
+
+
+def flydsl_requirement_report() -> dict[str, Any]:
+    """The flydsl that the installed aiter declares beside the installed one; never raises."""
+    data: dict[str, Any] = {"aiter_dist": None, "declares": None, "installed": None, "warning": None}
+    try:
+        dists = importlib.metadata.packages_distributions().get("aiter") or list(PACKAGES["aiter"])
+        for dist in dists:
+            try:
+                requirements = importlib.metadata.requires(dist) or []
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            data["aiter_dist"], data["declares"] = dist, _flydsl_requirement(requirements)
+            break
+        try:
+            data["installed"] = importlib.metadata.version("flydsl")
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        return data | {"note": f"unknown ({type(e).__name__}: {e})"}
+    if data["aiter_dist"] is None:
+        return data | {"note": "aiter not installed"}
+    if data["declares"] is None:
+        return data | {"note": f"{data['aiter_dist']} declares no flydsl"}
+    installed = data["installed"]
+    if installed is None or not _satisfies(installed, data["declares"]):
+        found = f"flydsl {installed} is installed" if installed else "flydsl is not installed"
+        warning = f"{data['aiter_dist']} declares {data['declares']} but {found}"
+        return data | {"warning": warning, "note": warning}
+    return data | {"note": f"{data['aiter_dist']} declares {data['declares']}; flydsl {installed} installed"}
 
 
 def stock_report(plat: dict[str, Any]) -> str:
@@ -140,11 +252,14 @@ def stock_report(plat: dict[str, Any]) -> str:
     return "Gluon" if target is not None else why
 
 
-def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
+def report(
+    environ: dict[str, str] | None = None, model: tuple[str, dict | None] | None = None
+) -> dict[str, Any]:
+    """Everything doctor says; ``model`` (``reach.resolve``'s answer) adds the ``model`` section."""
     decision = gates.evaluate(environ, full=True)
     switch = envs.read_flag(envs.SWITCH, environ)
     plat = platform_report()
-    return {
+    data = {
         "versions": {
             "python": platform.python_version(),
             **{name: package_version(dists) for name, dists in PACKAGES.items()},
@@ -164,12 +279,19 @@ def report(environ: dict[str, str] | None = None) -> dict[str, Any]:
         "kernel": kernel_report(decision.variant),
         "tuned_table": table_report(decision, environ),
         "kv_cache_layout": layout_report(environ),
+        "ray_non_carry_over": ray_non_carry_over_report(environ),
+        "flydsl_for_aiter": flydsl_requirement_report(),
         "arm": "flydsl" if decision.active else "stock",
         "stock": stock_report(plat),
         "reason": decision.reason,
         "log_line": decision.log_line(),
         "warnings": decision.warnings,
     }
+    if model is not None:
+        from vllm_flydsl_indexer.tools import reach
+
+        data["model"] = reach.assess(*model, decision)
+    return data
 
 
 def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
@@ -190,6 +312,8 @@ def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
 def render(data: dict[str, Any]) -> str:
     out = ["vllm-flydsl-indexer doctor", "", "versions:"]
     out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
+    needs = data["flydsl_for_aiter"]
+    out.append(f"  {'':<8} warning: {needs['warning']}" if needs["warning"] else f"  {'':<8} {needs['note']}")
     plat = data["platform"]
     out += ["", f"platform: {plat['vllm_platform']}" + (f" ({plat['gcn_arch']})" if plat["gcn_arch"] else "")]
     sw = data["switch"]
@@ -236,7 +360,11 @@ def render(data: dict[str, Any]) -> str:
             "uncovered shapes: FlyDSL)",
         ]
         for shape in table["shapes"]:
-            buckets = ", ".join(f"B>={b['batch_at_least']}: {b['arm']}" for b in shape["buckets"])
+            buckets = ", ".join(
+                f"B>={b['batch_at_least']}: {b['arm']}"
+                + (f" (wg_per_cu={b['wg_per_cu']})" if b["arm"] == "flydsl" and b.get("wg_per_cu") else "")
+                for b in shape["buckets"]
+            )
             out.append(
                 f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
                 f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {buckets}"
@@ -252,16 +380,28 @@ def render(data: dict[str, Any]) -> str:
     out += ["", f"arm:      {arm}  ({data['reason']})"]
     out += [f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in data["warnings"]]
+    ray = data["ray_non_carry_over"]
+    out.append(f"warning:  {ray['warning']}" if ray["warning"] else f"ray:      {ray['note']}")
+    if "model" in data:
+        from vllm_flydsl_indexer.tools import reach
+
+        out += [""] + reach.render(data["model"])
     return "\n".join(out)
 
 
-def main(as_json: bool, strict: bool) -> int:
-    data = report()
+def main(as_json: bool, strict: bool, model: tuple[str, dict | None] | None = None) -> int:
+    data = report(model=model)
     if as_json:
         print(json.dumps(data, indent=2))
     else:
         print(render(data))
     if strict and data["arm"] != "flydsl":
         print(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})", file=sys.stderr)
+        return 1
+    if strict and "model" in data and not data["model"]["reaches_flydsl"]:
+        print(
+            f"doctor --strict: {data['model']['label']} would stay stock ({data['model']['reason']})",
+            file=sys.stderr,
+        )
         return 1
     return 0

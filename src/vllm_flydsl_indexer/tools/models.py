@@ -12,6 +12,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+__all__ = [
+    "BY_NAME",
+    "HEADS",
+    "MODEL_SHAPES",
+    "ModelShape",
+    "REPORT_BLOCK_SIZES",
+    "REPORT_NEXT_NS",
+    "eligible_configs",
+]
+
 if TYPE_CHECKING:
     from vllm_flydsl_indexer.kernels import KernelVariant
 

@@ -47,6 +47,12 @@ from vllm_flydsl_indexer.tools.arms import (
 )
 from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
+__all__ = [
+    "Paths",
+    "build_paths",
+    "vllm_target",
+]
+
 
 @dataclass
 class Paths:

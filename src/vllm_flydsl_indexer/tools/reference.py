@@ -28,6 +28,38 @@ import torch
 
 from vllm_flydsl_indexer.target import SCALE_BYTES
 
+__all__ = [
+    "Contract",
+    "FLYDSL_KNOBS",
+    "FP8_E4M3FN_MAX",
+    "GENERAL",
+    "GFX950",
+    "GFX950_EARLY",
+    "GFX950_KNOBS",
+    "PagedProblem",
+    "SCALE_FLOOR",
+    "SHUFFLE_TILE",
+    "VARIANT_CONTRACTS",
+    "VariantContract",
+    "contract_violation",
+    "expected_split_kv",
+    "flydsl_contract_reference",
+    "flydsl_contract_violation",
+    "fp8_paged_mqa_logits_reference",
+    "fp8_paged_mqa_logits_values",
+    "gfx950_contract_violation",
+    "gluon_contract_reference",
+    "make_paged_problem",
+    "mtp_bounds",
+    "pack_blocks",
+    "per_sequence_lens",
+    "quantize_keys",
+    "row_windows",
+    "shuffled_offsets",
+    "unpack_keys",
+    "variant_reference",
+]
+
 Contract = Literal["flydsl", "gluon"]
 
 FP8_E4M3FN_MAX = 448.0
@@ -467,3 +499,132 @@ def flydsl_contract_reference(
         preshuffle=Preshuffle,
         contract="flydsl",
     )
+
+
+# The gfx950 kernels' contracts, as aiter's wrappers state them (module constants and asserts of
+# aiter's ``fp8_paged_mqa_logits_gfx950.py``, later and earlier revisions), written here apart from
+# kernels.Limits and identification on purpose: tests/test_check_variants.py pins them against the
+# doubles and what identification reads from them.
+@dataclass(frozen=True)
+class VariantContract:
+    """One FlyDSL API's contract: what its wrapper refuses, and the SplitKV its launch must carry."""
+
+    name: str
+    heads: frozenset[int] | None  # None: a power of two multiple of 32 (the general kernel)
+    head_dim: int | None
+    block_size: int | None
+    index_dim: int | None
+    max_next_n: int | None
+    # Workgroups per CU of the SplitKV every graph-safe launch passes; None: it takes no SplitKV.
+    split_kv_wg_per_cu: int | None
+    # The later wrapper: only an explicit SplitKV (its automatic one reads device memory on the
+    # host), contiguous q and cache. The earlier one reads q at its strides and copies the cache.
+    strict: bool = False
+
+
+GENERAL = VariantContract("general", None, None, None, None, None, None)
+GFX950 = VariantContract("gfx950", frozenset({32}), 128, 64, 132, 8, 3, strict=True)
+GFX950_EARLY = VariantContract("gfx950-early", frozenset({32, 64}), 128, 64, 132, 2, 8)
+VARIANT_CONTRACTS = (GENERAL, GFX950, GFX950_EARLY)
+GFX950_KNOBS = frozenset({"next_n_lens", "SplitKV", "TotalCuCount", "stream"})
+
+
+def gfx950_contract_violation(
+    contract: VariantContract,
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    **knobs,
+) -> str | None:
+    """Why a gfx950 wrapper (``contract``) would refuse these arguments, or ``None``.
+
+    Its asserts: Preshuffle, fixed heads/head_dim/KVBlockSize/index_dim, ``1 <= next_n <=``
+    its maximum, native e4m3 q (contiguous for the later revision), a uint8 cache, float32
+    ``(B*next_n, H)`` weights, one length per sequence; no ChunkK/WavePerEU/variant; the later
+    one also a contiguous cache and an explicit SplitKV.
+    """
+    unknown = set(knobs) - GFX950_KNOBS - {"Preshuffle", "KVBlockSize"}
+    if unknown:
+        return f"unexpected keyword(s) {sorted(unknown)} (TypeError)"
+    if not knobs.get("Preshuffle", True):
+        return "Preshuffle=False is not supported"
+    if q_fp8.dim() != 4 or q_fp8.dtype != torch.float8_e4m3fn:
+        return "q_fp8 must be native e4m3 (B, next_n, H, D)"
+    batch, next_n, heads, head_dim = q_fp8.shape
+    block_size = knobs.get("KVBlockSize", contract.block_size)
+    if not 1 <= next_n <= contract.max_next_n:
+        return f"next_n={next_n} outside 1..{contract.max_next_n}"
+    if heads not in contract.heads or head_dim != contract.head_dim or block_size != contract.block_size:
+        return f"unsupported heads={heads} head_dim={head_dim} KVBlockSize={block_size}"
+    if not q_fp8.is_contiguous():
+        # The earlier wrapper does not refuse it, but reads q in dwords at its strides assuming a
+        # dense head_dim: wrong values, so its reference refuses it too.
+        return "q_fp8 must be contiguous"
+    if kv_cache.dtype != torch.uint8 or tuple(kv_cache.shape[1:]) != (
+        contract.block_size,
+        1,
+        contract.index_dim,
+    ):
+        return f"kv_cache must be uint8 (*, {contract.block_size}, 1, {contract.index_dim})"
+    if contract.strict and not kv_cache.is_contiguous():
+        return "kv_cache must be contiguous"
+    if weights.dtype != torch.float32 or weights.numel() != batch * next_n * heads:
+        return "weights must be float32 (B*next_n, heads)"
+    if context_lens.numel() != batch:
+        return "context_lens must hold one length per sequence"
+    if out_logits.shape[0] != batch * next_n:
+        return "out_logits has the wrong number of rows"
+    split_kv = knobs.get("SplitKV")
+    if split_kv is None and contract.strict:
+        return "no explicit SplitKV: the automatic one reads context_lens on the host (a sync)"
+    if split_kv is not None and split_kv < 1:
+        return "SplitKV must be >= 1"
+    return None
+
+
+def contract_violation(contract: VariantContract, *args, **knobs) -> str | None:
+    """Why ``contract``'s wrapper would refuse this launch, or ``None`` (kernel arguments, then knobs)."""
+    if contract.split_kv_wg_per_cu is None:
+        unknown = set(knobs) - FLYDSL_KNOBS - {"Preshuffle", "KVBlockSize"}
+        if unknown:
+            return f"unexpected keyword(s) {sorted(unknown)} (TypeError)"
+        return flydsl_contract_violation(*args, KVBlockSize=knobs.get("KVBlockSize", 1))
+    return gfx950_contract_violation(contract, *args, **knobs)
+
+
+def variant_reference(contract: VariantContract):
+    """A reference kernel shaped like ``contract``'s wrapper: it raises ``ValueError`` for what that
+    wrapper refuses, else writes the FlyDSL contract (pure torch, not a kernel)."""
+
+    def reference(
+        q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len, **knobs
+    ) -> torch.Tensor:
+        problem = contract_violation(
+            contract, q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len, **knobs
+        )
+        if problem is not None:
+            raise ValueError(f"{contract.name} FlyDSL contract: {problem}")
+        return fp8_paged_mqa_logits_reference(
+            q_fp8,
+            kv_cache.contiguous(),  # the earlier gfx950 wrapper copies a strided cache
+            weights,
+            out_logits,
+            context_lens.reshape(q_fp8.shape[0]),
+            kv_indices,
+            max_model_len,
+            preshuffle=knobs.get("Preshuffle", False),
+            contract="flydsl",
+        )
+
+    reference.__name__ = f"{contract.name.replace('-', '_')}_contract_reference"
+    return reference
+
+
+def expected_split_kv(cus: int, batch: int, max_model_len: int, block_size: int, wg_per_cu: int) -> int:
+    """aiter's dispatcher's SplitKV, written from its source: ``max(1, min(pages, ceil(cus*wg/batch)))``."""
+    pages = (max_model_len + block_size - 1) // block_size
+    return max(1, min(pages, (cus * wg_per_cu + batch - 1) // batch))

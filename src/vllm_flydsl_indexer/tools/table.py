@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+__all__ = [
+    "format_table",
+]
+
 
 def format_table(rows: list[tuple[str, ...]]) -> list[str]:
     """``rows`` (the header first) in padded columns, a rule under the header."""

@@ -1,166 +1,301 @@
-# SPDX-License-Identifier: Apache-2.0
 """``vllm-flydsl-indexer bench --tune OUT.csv``: measure Gluon against FlyDSL per shape.
 
 For the models' indexer shapes (both head counts, KVBlockSize 64 with
-preshuffle and 1 without, ``next_n`` 1 and 2) over batch sizes and context
-lengths, both kernels run side by side in one process on the same inputs.
-Each must first pass the agreement rule against the reference; then each is
-timed (device events, median of repeats, input sets rotated) and one row per
-shape is written in aiter's tuned-CSV format (:data:`tuning.COLUMNS`) with the
-winner in ``backend`` and both times. Rows are merged into an existing file:
-a row of the same GPU and shape is replaced, every other row is kept.
+preshuffle and 1 without, ``next_n`` 1 and 2) over batch sizes, both kernels run
+side by side in one process on the same inputs, as aiter's own tuner
+(``csrc/paged_mqa_logits/paged_mqa_logits_tune.py``) runs them:
+
+* **Candidates:** stock, which this plugin never re-tunes (vLLM's own Gluon
+  call, :data:`~vllm_flydsl_indexer.tools.arms.GLUON_KNOBS`), and FlyDSL at
+  every ``wg_per_cu`` aiter's tuner sweeps (:data:`kernels.TUNER_WG_PER_CU`)
+  where the found kernel's launch takes SplitKV; a kernel that takes none is
+  measured at its default launch (``wg_per_cu`` 0). Each FlyDSL candidate is
+  launched exactly as the router would launch it
+  (:meth:`KernelVariant.launch_kwargs`, with a row width of
+  :data:`settings.TUNE_MAX_MODEL_LEN`, aiter's tuner's default); a shape the kernel's
+  contract refuses has no FlyDSL candidate.
+* **Gate, then time:** each candidate must pass the agreement rule against the
+  reference, then is timed (device events, median of repeats, input sets
+  rotated) at every context length of the grid.
+* **One row per shape and batch,** in aiter's tuned-CSV format
+  (:data:`tuning.COLUMNS`): the candidate with the lowest geometric mean over
+  the context lengths (written ``8192;32768``), its knob (FlyDSL:
+  ``0,0,wg_per_cu``; Gluon: ``ChunkK,WavePerEU,0``), and each backend's best
+  time. aiter's dispatcher reads such a row exactly as the plugin does.
+
+Rows are merged into an existing file, which must pass :func:`tuning.check_row`
+on every row (a malformed file is refused before any work and left untouched):
+a row of the same GPU and lookup key (:data:`tuning.KEY_COLUMNS`) is replaced,
+every other row is kept as it was. The file is written atomically. A SIGINT or
+SIGTERM stops after the shape being measured: the finished rows are merged and
+written, the JSON says ``interrupted``, and the exit status is 130.
 
 Only a gfx950 GPU with both of aiter's kernels gives kernel timings. With
 ``--reference`` the same mechanics run on the pure-torch reference contracts
-anywhere; those rows have ``gfx = reference`` so no GPU ever matches them,
-and their times are of the references, not of any kernel.
+anywhere, the FlyDSL reference launched as the gfx950 kernels are (explicit
+SplitKV, so the sweep runs too); those rows have ``gfx = reference`` so no GPU
+ever matches them, and their times are of the references, not of any kernel.
 """
 
 from __future__ import annotations
 
-import csv
+import dataclasses
 import io
 import itertools
 import json
+import math
 import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 
 from vllm_flydsl_indexer import tuning
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, cu_count
-from vllm_flydsl_indexer.tools import cli_args
+from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, KernelVariant, cu_count
+from vllm_flydsl_indexer.target import Call
+from vllm_flydsl_indexer.tools import cli_args, settings
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
-from vllm_flydsl_indexer.tools.reference import (
-    make_paged_problem,
-)
+from vllm_flydsl_indexer.tools.harness import Timer, device_of, write_or_print
+from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopSignal, interrupted_note
+from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, per_sequence_lens
+
+__all__ = [
+    "REFERENCE_GFX",
+    "Sweep",
+    "candidates",
+    "existing_rows",
+    "flydsl_launch",
+    "main",
+    "refusal",
+    "table_text",
+    "tune_rows",
+    "tuned_variant",
+]
 
 REFERENCE_GFX = "reference"
-GPU_GRID = cli_args.TUNE_GPU_GRID
-REFERENCE_GRID = cli_args.TUNE_REFERENCE_GRID
-# The row key: a later run replaces a row with the same values of these.
-KEY_COLUMNS = tuning.COLUMNS[:9]
+
+
+@dataclasses.dataclass
+class Sweep:
+    """How far a run got: shapes planned and finished, and whether it was interrupted."""
+
+    planned: int = 0
+    done: int = 0
+    interrupted: bool = False
 
 
 def refusal(arms: Arms) -> str | None:
     """Why this machine cannot produce kernel timings, or ``None``."""
     if arms.real:
         return None
-    return f"argument --tune: {cli_args.TUNE_NEEDS} ({arms.why}); {cli_args.TUNE_DRY_RUN}"
+    return f"argument --tune: {settings.TUNE_NEEDS} ({arms.why}); {settings.TUNE_DRY_RUN}"
+
+
+def tuned_variant(arms: Arms) -> KernelVariant:
+    """The FlyDSL API the rows are measured on: the found one, or the reference launched as gfx950's."""
+    variant = arms.flydsl_variant()
+    if arms.real:
+        return variant
+    return dataclasses.replace(
+        variant,
+        name="reference",
+        description="reference contract, launched as the gfx950 kernels are (explicit SplitKV)",
+        split_kv_workgroups_per_cu=WORKGROUPS_PER_CU,
+    )
 
 
 def _time(fn, problems, warmup: int, repeats: int, device: torch.device) -> float:
-    from vllm_flydsl_indexer.tools.bench import Timer
-
     samples = Timer(device).time_us(lambda i: fn(problems[i % len(problems)]), warmup, repeats)
     return statistics.median(samples)
 
 
-def tune_rows(args, arms: Arms, device: torch.device, gfx: str) -> list[dict[str, object]]:
-    grid = REFERENCE_GRID if not arms.real else GPU_GRID
-    pick = {k: getattr(args, k, None) or v for k, v in grid.items()}
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(max(v, 1e-9)) for v in values) / len(values))
+
+
+def flydsl_launch(
+    variant: KernelVariant, output_buffer: Callable[[int, int], torch.Tensor], cus: int, wg_per_cu: int
+) -> Callable[[PagedProblem], torch.Tensor]:
+    """FlyDSL on a problem with exactly the router's launch for a row of knob ``wg_per_cu``.
+
+    The launch arguments are computed once per shape, as the router memoises them, so the timed
+    calls pay no host work the router does not.
+    """
+    memo: dict[tuple[int, int, int], dict[str, object]] = {}
+
+    def run(p: PagedProblem) -> torch.Tensor:
+        out = output_buffer(p.batch * p.next_n, p.max_model_len)
+        key = (p.batch, p.block_size, p.max_model_len)
+        if key not in memo:
+            memo[key] = variant.launch_kwargs(p.batch, p.block_size, p.max_model_len, cus, wg_per_cu)
+        kwargs = memo[key]
+        lens = per_sequence_lens(p.context_lens, p.batch).contiguous()
+        variant.fn(p.q_fp8, p.kv_cache, p.weights, out, lens, p.block_tables, p.max_model_len, **kwargs)
+        return out
+
+    return run
+
+
+def candidates(
+    variant: KernelVariant, arms: Arms, workspace: Workspace, cus: int, p: PagedProblem
+) -> dict[str, tuple[str, int, Callable]]:
+    """``{name: (backend, wg_per_cu, run)}``: stock's one call; FlyDSL's where its contract takes ``p``."""
+    out = {"gluon": ("gluon", 0, raw_launch(arms.gluon, workspace.get, **GLUON_KNOBS))}
+    call = Call(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, p.max_model_len, 1, None, 1)
+    if variant.violation(call) is None:
+        for wg in variant.tuned_wg_per_cu:
+            out[f"flydsl wg_per_cu={wg}"] = ("flydsl", wg, flydsl_launch(variant, workspace.get, cus, wg))
+    return out
+
+
+def tune_rows(
+    args,
+    arms: Arms,
+    device: torch.device,
+    gfx: str,
+    stop: StopSignal | None = None,
+    sweep: Sweep | None = None,
+) -> list[dict[str, object]]:
+    """One measured row per shape and batch; stops before the next shape once ``stop`` is requested."""
+    pick = settings.grid(args, device.type)
     cus = cu_count(device)
-    repeats = args.repeats or (20 if device.type == "cuda" else 3)
-    n_sets = args.input_sets or (4 if device.type == "cuda" else 2)
+    variant = tuned_variant(arms)
+    default_repeats, default_sets = settings.BENCH_TIMING["cuda" if device.type == "cuda" else "cpu"]
+    repeats = args.repeats or default_repeats
+    n_sets = args.input_sets or default_sets
+    sweep = sweep if sweep is not None else Sweep()
     rows: list[dict[str, object]] = []
-    shapes = list(
-        itertools.product(*(pick[k] for k in ("heads", "block_size", "next_n", "batch", "context_len")))
-    )
-    for idx, (heads, kvb, next_n, batch, ctx) in enumerate(shapes):
-        if not cli_args.bench_shape_fits(batch, next_n, ctx, kvb, args.head_dim):
+    shapes = list(itertools.product(*(pick[k] for k in ("heads", "block_size", "next_n", "batch"))))
+    sweep.planned = len(shapes)
+    told_stock: set[tuple[int, int, int]] = set()
+    for idx, (heads, kvb, next_n, batch) in enumerate(shapes):
+        if stop is not None and stop.requested:
+            sweep.interrupted = True
+            break
+        label = f"H{heads} KVB{kvb} n{next_n} B{batch}"
+        contexts = []
+        for ctx in pick["context_len"]:
+            problem = settings.shape_fits(batch, next_n, ctx, kvb, args.head_dim, settings.TUNE_MAX_MODEL_LEN)
+            if problem is None:
+                contexts.append(ctx)
+            else:
+                print(f"tune: skipped {label} ctx{ctx}: {problem}", file=sys.stderr)
+        if not contexts:
+            sweep.done += 1
+            continue
+        times: dict[str, list[float]] = {}
+        knobs: dict[str, tuple[str, int]] = {}
+        for c, ctx in enumerate(contexts):
+            gen = torch.Generator().manual_seed(args.seed + idx * len(contexts) + c)
+            width = max(settings.TUNE_MAX_MODEL_LEN, ctx)
+            problems = [
+                make_paged_problem(
+                    [ctx] * batch,
+                    next_n=next_n,
+                    heads=heads,
+                    head_dim=args.head_dim,
+                    block_size=kvb,
+                    preshuffle=kvb > 1,
+                    max_model_len=width,
+                    spare_blocks=0,
+                    generator=gen,
+                    device=device,
+                )
+                for _ in range(n_sets)
+            ]
+            workspace = Workspace(batch * next_n, width, device)
+            p0 = problems[0]
+            expected = torch.full((batch * next_n, width), float("nan"), device=device)
+            p0.reference_logits(expected, "flydsl")
+            ends = read_window_ends(p0.context_lens, batch * next_n, next_n)
+            for name, (backend, wg, run) in candidates(variant, arms, workspace, cus, p0).items():
+                workspace.buffer.fill_(float("nan"))
+                agreement = compare_in_windows(expected, run(p0).clone(), ends, topk=settings.DEFAULT_TOPK)
+                if not agreement.ok(REAL_KERNEL_TOLERANCE if arms.real else 0.0):
+                    raise SystemExit(
+                        f"tune: {name} failed the agreement rule at {label} ctx{ctx}: {agreement.describe()}"
+                    )
+                knobs[name] = (backend, wg)
+                times.setdefault(name, []).append(_time(run, problems, args.warmup, repeats, device))
+        scores = {name: _geomean(t) for name, t in times.items() if len(t) == len(contexts)}
+        best = {}
+        for name, us in scores.items():
+            backend = knobs[name][0]
+            if backend not in best or us < scores[best[backend]]:
+                best[backend] = name
+        winner = min(best.values(), key=scores.get)
+        backend, wg = knobs[winner]
+        if "flydsl" not in best and (heads, kvb, next_n) not in told_stock:
+            told_stock.add((heads, kvb, next_n))
             print(
-                f"tune: skipped H{heads} KVB{kvb} n{next_n} B{batch} ctx{ctx}: KV pool or logits >= 2 GiB",
+                f"tune: {label}: no FlyDSL candidate ({variant.name} kernel's contract refuses the shape); "
+                "stock only",
                 file=sys.stderr,
             )
-            continue
-        gen = torch.Generator().manual_seed(args.seed + idx)
-        problems = [
-            make_paged_problem(
-                [ctx] * batch,
-                next_n=next_n,
-                heads=heads,
-                head_dim=args.head_dim,
-                block_size=kvb,
-                preshuffle=kvb > 1,
-                max_model_len=ctx,
-                spare_blocks=0,
-                generator=gen,
-                device=device,
-            )
-            for _ in range(n_sets)
-        ]
-        workspace = Workspace(batch * next_n, ctx, device)
-        p0 = problems[0]
-        expected = torch.full((batch * next_n, ctx), float("nan"), device=device)
-        p0.reference_logits(expected, "flydsl")
-        ends = read_window_ends(p0.context_lens, batch * next_n, next_n)
-        times = {}
-        for backend, kernel, knobs in (("gluon", arms.gluon, GLUON_KNOBS), ("flydsl", arms.flydsl, {})):
-            run = raw_launch(kernel, workspace.get, **knobs)
-            workspace.buffer.fill_(float("nan"))
-            agreement = compare_in_windows(expected, run(p0).clone(), ends, topk=2048)
-            if not agreement.ok(REAL_KERNEL_TOLERANCE if arms.real else 0.0):
-                raise SystemExit(
-                    f"tune: {backend} failed the agreement rule at H{heads} KVB{kvb} n{next_n} "
-                    f"B{batch} ctx{ctx}: {agreement.describe()}"
-                )
-            times[backend] = _time(run, problems, args.warmup, repeats, device)
-        winner = min(times, key=times.get)
-        rows.append(
-            dict(
-                zip(
-                    tuning.COLUMNS,
-                    (
-                        gfx,
-                        cus,
-                        batch,
-                        next_n,
-                        heads,
-                        args.head_dim,
-                        kvb,
-                        int(kvb > 1),
-                        ctx,
-                        winner,
-                        GLUON_KNOBS["ChunkK"],
-                        GLUON_KNOBS["WavePerEU"],
-                        WORKGROUPS_PER_CU,
-                        round(times[winner], 3),
-                        round(times["gluon"], 3),
-                        round(times["flydsl"], 3),
-                    ),
-                    strict=True,
-                )
+        chunk_k, wave_per_eu = (
+            (GLUON_KNOBS["ChunkK"], GLUON_KNOBS["WavePerEU"]) if backend == "gluon" else (0, 0)
+        )
+        row = dict(
+            zip(
+                tuning.COLUMNS,
+                (
+                    gfx,
+                    cus,
+                    batch,
+                    next_n,
+                    heads,
+                    args.head_dim,
+                    kvb,
+                    int(kvb > 1),
+                    tuning.CONTEXT_LEN_SEPARATOR.join(str(c) for c in sorted(contexts)),
+                    backend,
+                    chunk_k,
+                    wave_per_eu,
+                    wg,
+                    round(scores[winner], 3),
+                    round(scores[best["gluon"]], 3),
+                    round(scores[best["flydsl"]], 3) if "flydsl" in best else "",
+                ),
+                strict=True,
             )
         )
-        print(
-            f"tune: H{heads} KVB{kvb} n{next_n} B{batch} ctx{ctx}: gluon {times['gluon']:.1f} us, "
-            f"flydsl {times['flydsl']:.1f} us -> {winner}",
-            file=sys.stderr,
-        )
+        tuning.check_row({k: str(v) for k, v in row.items()})  # what this tool writes, it reads back
+        rows.append(row)
+        sweep.done += 1
+        measured = ", ".join(f"{name} {scores[name]:.1f} us" for name in scores)
+        print(f"tune: {label} ctx {row['context_len']}: {measured} -> {winner}", file=sys.stderr)
     return rows
 
 
-def existing_rows(path: str) -> list[dict[str, str]]:
-    """The rows already in ``path`` (none if absent or empty); refuses a file that is not aiter's format.
+def existing_rows(path: str) -> list[tuning.TunedRow]:
+    """The rows already in ``path`` (none if absent or empty), every one validated.
 
-    ``cli_args.tune_file_problem`` refused such a file before the run; this is the read itself.
+    Refuses (exit 2, one line) a file that is not aiter's format or has any
+    malformed row; ``cli_args.tune_file_problem`` refused it before the run already.
     """
     if not os.path.exists(path) or os.path.getsize(path) == 0:
         return []
-    with open(path, newline="") as f:
-        reader = csv.DictReader(f)
-        if tuple(reader.fieldnames or ()) != tuning.COLUMNS:
-            raise SystemExit(f"bench --tune: {path} is not an aiter-format tuned CSV; not overwriting it")
-        return list(reader)
+    problem = cli_args.tune_file_problem(path)
+    if problem is not None:
+        settings.fail(f"{settings.PROG} bench", problem)
+    with open(path, encoding="utf-8", newline="") as f:
+        return tuning.read_rows(f, path)
 
 
-def table_text(earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> tuple[str, int]:
-    """The merged table: ``rows`` replace earlier rows of the same key, the rest are kept (and counted)."""
-    new_keys = {tuple(str(r[c]) for c in KEY_COLUMNS) for r in rows}
-    kept = [r for r in earlier if tuple(r[c] for c in KEY_COLUMNS) not in new_keys]
+def _row_id(row: dict[str, object]) -> tuple:
+    checked = tuning.check_row({k: str(v) for k, v in row.items()})
+    return (checked.gfx, checked.key)
+
+
+def table_text(earlier: list[tuning.TunedRow], rows: list[dict[str, object]]) -> tuple[str, int]:
+    """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest are kept as read."""
+    import csv
+
+    new_ids = {_row_id(r) for r in rows}
+    kept = [r.text for r in earlier if (r.gfx, r.key) not in new_ids]
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS))
     writer.writeheader()
@@ -169,38 +304,33 @@ def table_text(earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> 
     return out.getvalue(), len(kept)
 
 
-def merge(path: str, earlier: list[dict[str, str]], rows: list[dict[str, object]]) -> int:
-    """Write ``rows`` into ``path``, replacing earlier rows of the same key and keeping the rest."""
-    text, kept = table_text(earlier, rows)
-    with open(path, "w", newline="") as f:
-        f.write(text)
-    return kept
-
-
 def main(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = device_of(args)
     arms = detect_arms(device, force_reference=args.reference)
     problem = refusal(arms) if not args.reference else None
     if problem is not None:
-        cli_args.fail(f"{cli_args.PROG} bench", problem)
+        settings.fail(f"{settings.PROG} bench", problem)
     earlier = existing_rows(args.tune_path)  # before any work: never time, then refuse to write
     if arms.real:
         gfx = tuning.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
     else:
         gfx = REFERENCE_GFX
-    rows = tune_rows(args, arms, device, gfx)
+    sweep = Sweep()
+    with StopSignal() as stop:
+        rows = tune_rows(args, arms, device, gfx, stop, sweep)
     what = "kernel timings" if arms.real else "REFERENCE timings, not kernel timings (gfx=reference)"
     text, kept = table_text(earlier, rows)
     failed = []
-    try:
-        with open(args.tune_path, "w", newline="") as f:
-            f.write(text)
-    except OSError as e:  # opened before the run, so rare: the rows go to stdout, not lost
-        print(f"--- the tuned table that could not be written to {args.tune_path} ---")
-        print(f"{text.rstrip()}\n--- end ---")
-        failed.append(f"bench --tune: could not write {args.tune_path} ({e.strerror or e}); printed it above")
+    if not rows and sweep.interrupted:
+        print(f"bench --tune: no shape finished; {args.tune_path} left as it was")
     else:
-        print(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, kept {kept} earlier rows")
+        ok, line = write_or_print("bench --tune", "tuned table", args.tune_path, text, newline="")
+        if ok:
+            print(
+                f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, kept {kept} earlier rows"
+            )
+        else:
+            failed.append(line)
     if args.json_path:
         data = {
             "meta": {
@@ -208,23 +338,28 @@ def main(args) -> int:
                 "gfx": gfx,
                 "arms": arms.label,
                 "arms_why": arms.why,
+                "flydsl_variant": tuned_variant(arms).name,
+                "wg_per_cu_swept": list(tuned_variant(arms).tuned_wg_per_cu),
+                "max_model_len": settings.TUNE_MAX_MODEL_LEN,
                 "timings": what,
                 "tuned_csv": os.path.basename(args.tune_path),
                 "kept_earlier_rows": kept,
+                "interrupted": sweep.interrupted,
+                "completed": sweep.done,
+                "planned": sweep.planned,
                 "torch": torch.__version__,
                 "date": time.strftime("%Y-%m-%d"),
             },
             "rows": rows,
         }
-        text = json.dumps(data, indent=1)
-        try:
-            with open(args.json_path, "w") as f:
-                f.write(text)
-        except OSError as e:
-            print(f"--- the JSON that could not be written to {args.json_path} ---\n{text}\n--- end ---")
-            failed.append(f"bench --tune: could not write JSON to {args.json_path} ({e.strerror or e})")
+        ok, line = write_or_print("bench --tune", "JSON", args.json_path, json.dumps(data, indent=1))
+        if ok:
+            print(line)
         else:
-            print(f"bench --tune: wrote JSON to {os.path.abspath(args.json_path)}")
+            failed.append(line)
     for line in failed:
         print(line, file=sys.stderr)
+    if sweep.interrupted:
+        print(interrupted_note(sweep.done, sweep.planned), file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 1 if failed else 0

@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Why did this call stay stock? Every rule of the decode step, in the order the router applies them.
+
+A rule returns ``None`` ("no objection") or a short reason; the router
+(:mod:`vllm_flydsl_indexer.router`) composes :data:`RULES`, and the first
+reason is what its log line says, once, for the stock path. A call that
+passes every rule is launched on FlyDSL.
+
+* ``live`` rules run on every call: they read what a memoised verdict cannot
+  (vLLM's module state) and take only ``(compress_ratio, KVBlockSize)``, so the
+  hot path builds no :class:`~vllm_flydsl_indexer.target.Call`.
+* The others read a Call and are memoised on the call's signature
+  (:func:`~vllm_flydsl_indexer.target.call_key`: shapes, dtypes, contiguity,
+  Python arguments, caller, DCP size): none reads a tensor value, so no rule
+  issues a host sync and each decides the same during graph capture.
+
+The facts each rule applies live with what they describe: stock's own
+questions in :mod:`~vllm_flydsl_indexer.stock`, the kernels' contracts in
+:mod:`~vllm_flydsl_indexer.kernels`, the call-site audit in
+:mod:`~vllm_flydsl_indexer.callers`, the measured table in
+:mod:`~vllm_flydsl_indexer.tuning`. After the rules the router adds two guards
+of its own history (no first-time compile inside graph capture; a
+configuration whose kernel raised stays stock).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vllm_flydsl_indexer.callers import multi_row_objection
+from vllm_flydsl_indexer.kernels import cu_count, strided_cache_reason
+from vllm_flydsl_indexer.target import Call, RouterView
+from vllm_flydsl_indexer.tuning import pick_for, where
+
+__all__ = [
+    "LIVE_RULES",
+    "MEMOISED_RULES",
+    "RULES",
+    "RuleEntry",
+    "contiguity_rule",
+    "contract_rule",
+    "gluon_rule",
+    "layout_rule",
+    "table_rule",
+    "window_rule",
+]
+
+# A memoised rule reads the Call; a live rule only (compress_ratio, KVBlockSize, router).
+Rule = Callable[[Call, RouterView], "str | None"]
+LiveRule = Callable[[int, int, RouterView], "str | None"]
+
+
+def gluon_rule(compress_ratio: int, block_size: int, router: RouterView) -> str | None:
+    """Only the call stock would send to aiter's gfx950 Gluon kernel is ours to change (live)."""
+    reason = router.hooks.gluon_objection(compress_ratio, block_size)
+    return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
+
+
+def contiguity_rule(call: Call, router: RouterView) -> str | None:
+    """Every FlyDSL API needs a layer-contiguous cache (its contiguity is part of the memo key)."""
+    return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)
+
+
+def contract_rule(call: Call, router: RouterView) -> str | None:
+    """The found API's exact contract: the common one plus its own limits."""
+    return router.variant.violation(call)
+
+
+def window_rule(call: Call, router: RouterView) -> str | None:
+    """Written columns equal read columns: FlyDSL writes ``[0, ctx_b - next_n + i]`` of row ``(b, i)``.
+
+    ``ctx_b`` is the last column of vLLM's bounds; the consumers read row ``r``
+    over ``[0, bounds.reshape(-1)[r])``, or one entry per sequence repeated over
+    its rows. They agree for ``next_n == 1`` with one bound per row (any caller,
+    compression or DCP), and for ``next_n > 1`` with a ``(B, next_n)`` native
+    table from an audited caller (:data:`~vllm_flydsl_indexer.callers.CALL_SITES`),
+    ``compress_ratio == 1`` and DCP 1. Anything else (compressed or
+    DCP-localised bounds, one bound repeated over rows) can read a column
+    FlyDSL never writes, where Gluon writes ``-inf``.
+    """
+    next_n, context_lens = call.q_fp8.shape[1], call.context_lens
+    if next_n == 1:
+        if context_lens.dim() == 2 and context_lens.shape[1] != 1:
+            return f"next_n=1 with {context_lens.shape[1]} bounds per sequence"
+        return None
+    if context_lens.dim() != 2 or context_lens.shape[1] != next_n:
+        return (
+            f"next_n={next_n} without a (B, next_n) bounds table: "
+            "consumers read columns FlyDSL does not write"
+        )
+    objection = multi_row_objection(call.caller)
+    if objection is not None:
+        return objection
+    if call.compress_ratio != 1:
+        return (
+            f"next_n={next_n} with compress_ratio={call.compress_ratio}: compressed bounds are not one apart"
+        )
+    if call.dcp_world_size != 1:
+        return f"next_n={next_n} with decode context parallel size {call.dcp_world_size}: localised bounds"
+    return None
+
+
+def layout_rule(call: Call, router: RouterView) -> str | None:
+    """FlyDSL is launched with the cache layout (``Preshuffle``) stock passes Gluon, or not at all."""
+    block_size = call.kv_cache.shape[1]
+    layout = router.hooks.preshuffle(block_size)
+    told = router.variant.preshuffle(block_size)
+    if told != layout:
+        return (
+            f"stock reads this KVBlockSize={block_size} cache with Preshuffle={layout}, "
+            f"FlyDSL would be launched with Preshuffle={told}"
+        )
+    return None
+
+
+def table_rule(call: Call, router: RouterView) -> str | None:
+    """A measured table keeps the call stock where it found stock (Gluon) faster, or where the
+    FlyDSL launch it measured cannot be made: its rows disagree, or the found kernel cannot take
+    the row's knob."""
+    cus = cu_count(call.q_fp8.device)
+    pick = pick_for(call, router, cus)
+    if pick is None:
+        return None
+    _, next_n, heads, head_dim = call.q_fp8.shape
+    shape = f"heads={heads} head_dim={head_dim} KVBlockSize={call.kv_cache.shape[1]} next_n={next_n}"
+    if pick.backend != "flydsl":
+        return f"{where(router.table, pick, cus)} measured stock (Gluon) faster for {shape}"
+    if pick.conflict is not None:
+        return f"{where(router.table, pick, cus)}: {pick.conflict} for {shape}"
+    problem = router.variant.knob_problem(pick.wg_per_cu)
+    if problem is not None:
+        return f"{where(router.table, pick, cus)} measured FlyDSL with {problem}"
+    return None
+
+
+@dataclass(frozen=True)
+class RuleEntry:
+    rule: Rule | LiveRule
+    live: bool = False
+
+
+# In order; the first reason wins.
+RULES: tuple[RuleEntry, ...] = (
+    RuleEntry(gluon_rule, live=True),  # only the call stock sends to aiter's Gluon
+    RuleEntry(contiguity_rule),  # a layer-contiguous cache
+    RuleEntry(contract_rule),  # the found API's exact contract and limits
+    RuleEntry(window_rule),  # written columns equal read columns, per caller
+    RuleEntry(layout_rule),  # launched with stock's Preshuffle
+    RuleEntry(table_rule),  # a measured table's per-shape choice and its launch
+)
+LIVE_RULES = tuple(entry.rule for entry in RULES if entry.live)
+MEMOISED_RULES = tuple(entry.rule for entry in RULES if not entry.live)

@@ -1,0 +1,348 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``doctor --model``: does a model's indexer reach FlyDSL on the installed vLLM and aiter?
+
+Asked of vLLM wherever it answers without a GPU: the KV cache layout its
+indexer backends resolve (``supported_kv_cache_layouts`` and
+``get_supported_kv_cache_layouts``), which model types default to the MXFP4
+indexer (the source of ``platforms/rocm.py``'s
+``_maybe_default_dsv4_mxfp4_indexer``: importing that module needs a GPU), and
+whether stock sends a ``compress_ratio`` to its own C4A route (the target's
+``_indexer_k_is_c4a_block_flat``). What vLLM cannot say without building the
+model (which backends and which call site a model uses, its indexer shapes and
+ratios) is :data:`MODELS`, pinned by ``tests/test_reach.py`` against the
+installed vLLM. No torch or vLLM import at module level: the CLI validates
+``--model`` with :func:`resolve` before any work.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE
+from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
+
+__all__ = [
+    "FP8_SETTING",
+    "MODELS",
+    "MXFP4_DEFAULT_FUNCTION",
+    "ModelError",
+    "ModelReach",
+    "ROCM_SPARSE_MLA",
+    "V32_INDEXER",
+    "accepted",
+    "assess",
+    "c4a_objection",
+    "mxfp4_default_models",
+    "render",
+    "resolve",
+    "resolved_layout",
+]
+
+if TYPE_CHECKING:
+    from vllm_flydsl_indexer.gates import Decision
+
+_MLA = "vllm.v1.attention.backends.mla"
+ROCM_SPARSE_MLA = f"{_MLA}.rocm_aiter_mla_sparse:ROCMAiterMLASparseBackend"
+V32_INDEXER = f"{_MLA}.indexer:DeepseekV32IndexerBackend"
+MXFP4_DEFAULT_FUNCTION = "_maybe_default_dsv4_mxfp4_indexer"
+FP8_SETTING = """--attention-config '{"indexer_kv_dtype": "fp8"}'"""
+
+
+@dataclass(frozen=True)
+class ModelReach:
+    """What vLLM decides only when it builds the model: pinned per ``model_type``."""
+
+    model_type: str
+    label: str
+    architecture: str
+    # ``module:Class`` of the attention backends whose layouts decide the indexer cache's.
+    backends: tuple[str, ...]
+    # The module that calls the patched function for it (a key of callers.CALL_SITES).
+    call_site: str
+    # The compress_ratio values that call passes (GLM-5-next passes none: 1).
+    compress_ratios: tuple[int, ...]
+    heads: int
+    head_dim: int
+    # Indexer cache rows per block (KVBlockSize) of the call.
+    block_sizes: tuple[int, ...]
+    note: str = ""
+
+
+MODELS: dict[str, ModelReach] = {
+    m.model_type: m
+    for m in (
+        ModelReach(
+            "deepseek_v32",
+            "DeepSeek-V3.2",
+            "DeepseekV32ForCausalLM",
+            (ROCM_SPARSE_MLA, V32_INDEXER),
+            DEFINING_MODULE,
+            (1,),
+            BY_NAME["deepseek-v3.2"].heads,
+            BY_NAME["deepseek-v3.2"].head_dim,
+            REPORT_BLOCK_SIZES,
+        ),
+        ModelReach(
+            "glm_moe_dsa",
+            "GLM-5.x",
+            "GlmMoeDsaForCausalLM",
+            (ROCM_SPARSE_MLA, V32_INDEXER),
+            DEFINING_MODULE,
+            (1,),
+            BY_NAME["glm-5"].heads,
+            BY_NAME["glm-5"].head_dim,
+            REPORT_BLOCK_SIZES,
+        ),
+        ModelReach(
+            "deepseek_v4",
+            "DeepSeek-V4",
+            "DeepseekV4ForCausalLM",
+            (f"{_MLA}.indexer:DeepseekV4IndexerBackend",),
+            DEFINING_MODULE,
+            (4,),
+            64,
+            128,
+            (64,),  # the backend's 256-token blocks at ratio 4
+            note="only its compress-ratio-4 (C4A) layers have an indexer",
+        ),
+        ModelReach(
+            "deepseek_v41",
+            "DeepSeek-V4.1",
+            "DeepseekV41ForCausalLM",
+            (f"{_MLA}.indexer:DeepseekV41IndexerBackend",),
+            "vllm.models.deepseek_v41.amd.ops.sparse_indexer",
+            (1, 2),
+            BY_NAME["glm-5"].heads,
+            BY_NAME["glm-5"].head_dim,
+            (64, 32),  # the backend's 64-token blocks on gfx950 (capability family 90) at ratio 1 and 2
+        ),
+        ModelReach(
+            "glm5_next",
+            "GLM-5-next",
+            "Glm5NextForCausalLM",
+            (f"{_MLA}.indexer:Glm5NextIndexerBackend", f"{_MLA}.indexer:KpoolTailBackend"),
+            "vllm.models.glm5next.amd.sparse_indexer",
+            (1,),
+            64,
+            128,
+            (64, 32),  # vLLM's paged-MQA page sizes, in pool entries
+            note="its bounds are pooled by index_kpool > 1 although it passes no compress_ratio",
+        ),
+    )
+}
+
+
+class ModelError(ValueError):
+    """``--model`` names neither a known model type nor a directory with a readable config.json."""
+
+
+def accepted() -> str:
+    return f"a Hugging Face model directory with a config.json, or one of {', '.join(MODELS)}"
+
+
+def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
+    """``(model_type, config)`` of ``--model``: a model directory, or a bare model type (config ``None``)."""
+    path = Path(arg)
+    if path.is_dir():
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError) as e:
+            raise ModelError(
+                f"--model {arg}: no readable config.json ({type(e).__name__}); expected {accepted()}"
+            ) from None
+        model_type = config.get("model_type") if isinstance(config, dict) else None
+        if model_type not in MODELS:
+            raise ModelError(
+                f"--model {arg}: config.json has model_type {model_type!r}; expected {accepted()}"
+            )
+        return model_type, config
+    if arg not in MODELS:
+        raise ModelError(f"--model {arg}: not a directory or a known model type; expected {accepted()}")
+    return arg, None
+
+
+def _vllm_file(module: str) -> Path | None:
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.origin:
+        return None
+    path = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def mxfp4_default_models() -> frozenset[str] | None:
+    """Model types vLLM's ROCm platform switches to the MXFP4 indexer; ``None`` if unreadable.
+
+    Read from the source of ``_maybe_default_dsv4_mxfp4_indexer`` (empty where
+    the installed vLLM has no such default, as 0.32.0): the string its
+    ``model_type`` is compared with.
+    """
+    path = _vllm_file("vllm.platforms.rocm")
+    if path is None:
+        return None
+    tree = ast.parse(path.read_text())
+    fn = next(
+        (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == MXFP4_DEFAULT_FUNCTION), None
+    )
+    if fn is None:
+        return frozenset()
+    found = set()
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Compare) and "model_type" in ast.unparse(node.left):
+            found |= {c.value for c in node.comparators if isinstance(c, ast.Constant)}
+    return frozenset(found)
+
+
+def _backend(path: str) -> type:
+    module, name = path.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def resolved_layout(backends: tuple[str, ...]) -> tuple[str, bool]:
+    """The KV cache layout vLLM resolves for ``backends`` and whether it is layer-contiguous."""
+    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+    layout = get_supported_kv_cache_layouts([_backend(b) for b in backends])[0]
+    return layout.name, bool(layout.is_layer_compact)
+
+
+def c4a_objection(compress_ratio: int, block_size: int) -> str | None:
+    """The router's reason when stock sends this ``compress_ratio`` to vLLM's own C4A route on gfx950."""
+    import vllm  # noqa: F401 - the target module imports cleanly only after vllm itself
+
+    from vllm_flydsl_indexer.stock import vllm_gluon_objection
+    from vllm_flydsl_indexer.target import TARGET_MODULE
+
+    module = importlib.import_module(TARGET_MODULE)
+    flat = getattr(module, "_indexer_k_is_c4a_block_flat", None)
+    if flat is None:  # a vLLM without the C4A route
+        return None
+    gfx950 = SimpleNamespace(
+        _ON_GFX950=True,
+        _ON_GFX942=False,
+        _indexer_k_is_c4a_block_flat=flat,
+        paged_mqa_logits_module=lambda: object(),
+    )
+    aiter_on = SimpleNamespace(is_enabled=lambda: True, is_rdna_aiter_enabled=lambda: False)
+    reason = vllm_gluon_objection(gfx950, aiter_on, compress_ratio, block_size)  # type: ignore[arg-type]
+    return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
+
+
+def _shape(config: dict[str, Any] | None, model: ModelReach) -> tuple[int, int, str]:
+    if config is not None and config.get("index_n_heads") and config.get("index_head_dim"):
+        return int(config["index_n_heads"]), int(config["index_head_dim"]), "config.json"
+    return model.heads, model.head_dim, "this package's model table"
+
+
+def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -> dict[str, Any]:
+    """The ``model`` section of doctor's report: path, layout, call site, shapes, verdict."""
+    from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE, Limits
+    from vllm_flydsl_indexer.target import SCALE_BYTES
+
+    model = MODELS[model_type]
+    reasons: list[str] = []
+    mxfp4 = mxfp4_default_models()
+    if mxfp4 is not None and model_type in mxfp4:
+        path = f"MXFP4 (vLLM's default on CDNA4 with aiter: platforms/rocm.py {MXFP4_DEFAULT_FUNCTION})"
+        reasons.append(
+            f"{model.label} uses aiter's MXFP4 indexer by default on MI350/MI355 "
+            f"({MXFP4_DEFAULT_FUNCTION}), which never calls the patched function; {FP8_SETTING} selects FP8"
+        )
+    elif mxfp4 is None:
+        path = "unknown (vLLM's platforms/rocm.py unreadable)"
+    else:
+        path = "FP8 (indexer_kv_dtype 'auto' resolves to fp8)"
+    try:
+        layout, contiguous = resolved_layout(model.backends)
+    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
+        layout, contiguous = f"unknown ({type(e).__name__}: {e})", True
+    backends = ", ".join(b.split(":")[1] for b in model.backends)
+    for ratio in model.compress_ratios:
+        c4a = c4a_objection(ratio, max(model.block_sizes))
+        if c4a is not None:
+            reasons.append(c4a)
+    if not contiguous:
+        reasons.append(
+            f"vLLM resolves the block-outer KV cache layout {layout} for {backends}: kv_cache is strided, "
+            f"so this layer stays on the stock path. {BLOCK_OUTER_NOTE}"
+        )
+    site = CALL_SITES.get(model.call_site)
+    if _vllm_file(model.call_site) is None:
+        reasons.append(f"the installed vLLM has no {model.call_site}: {model.label} does not call it")
+    heads, head_dim, shape_source = _shape(config, model)
+    variant = decision.variant
+    contract = (
+        f"the found kernel {variant.name}" if variant else "the general FlyDSL contract (no kernel found)"
+    )
+    shapes = []
+    for block_size in model.block_sizes:
+        for next_n in REPORT_NEXT_NS:
+            if variant is not None:
+                takes = variant.takes_shape(heads, head_dim, block_size, next_n)
+            else:
+                takes = (
+                    Limits().violation(heads, head_dim, block_size, head_dim + SCALE_BYTES, next_n) is None
+                )
+            # callers.window_rule: next_n > 1 only from an audited multi-row site, at compress_ratio 1.
+            if next_n > 1 and (site is None or not site.multi_row or 1 not in model.compress_ratios):
+                takes = False
+            shapes.append({"kv_block_size": block_size, "next_n": next_n, "flydsl": takes})
+    if not any(s["flydsl"] for s in shapes if s["next_n"] == 1):
+        reasons.append(f"{contract} does not take heads={heads}, head_dim={head_dim} at any KVBlockSize")
+    allows = not reasons
+    if allows and not decision.active:
+        reasons.append(f"this machine: {decision.reason}")
+    return {
+        "model_type": model_type,
+        "label": model.label,
+        "architecture": model.architecture,
+        "indexer_path": path,
+        "fp8_setting": FP8_SETTING,
+        "backends": [b.split(":")[1] for b in model.backends],
+        "kv_cache_layout": layout,
+        "layer_contiguous": contiguous,
+        "call_site": model.call_site if site is not None else f"{model.call_site} (not audited)",
+        "compress_ratio": list(model.compress_ratios),
+        "note": model.note,
+        "heads": heads,
+        "head_dim": head_dim,
+        "shape_source": shape_source,
+        "contract": contract,
+        "shapes": shapes,
+        "allows_flydsl": allows,
+        "reaches_flydsl": allows and decision.active,
+        "reason": reasons[0] if reasons else None,
+        "reasons": reasons,
+    }
+
+
+def render(data: dict[str, Any]) -> list[str]:
+    """doctor's text lines for the ``model`` section."""
+    takes = ", ".join(
+        f"KVB={s['kv_block_size']} next_n={s['next_n']}: {'FlyDSL' if s['flydsl'] else 'stock'}"
+        for s in data["shapes"]
+    )
+    verdict = "reaches FlyDSL" if data["reaches_flydsl"] else "stays stock"
+    out = [
+        f"model:    {data['label']} ({data['model_type']}, {data['architecture']})",
+        f"  indexer path:   {data['indexer_path']}",
+        f"  cache layout:   {data['kv_cache_layout']} "
+        f"({'layer-contiguous' if data['layer_contiguous'] else 'block-outer: strided'}; "
+        f"from {', '.join(data['backends'])})",
+        f"  call site:      {data['call_site']}, compress_ratio "
+        f"{'/'.join(map(str, data['compress_ratio']))}" + (f" ({data['note']})" if data["note"] else ""),
+        f"  shapes:         heads={data['heads']} head_dim={data['head_dim']} ({data['shape_source']}) "
+        f"under {data['contract']}: {takes}",
+        f"  verdict:        {verdict}" + (f": {data['reason']}" if data["reason"] else ""),
+    ]
+    out += [f"  then:           {r}" for r in data["reasons"][1:]]
+    return out
