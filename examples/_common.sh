@@ -31,6 +31,8 @@ ACTIVE_LINE="vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE"
 STOCK_LINE="vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive:"
 # Logged at most once per process: the verify canary failed, the process went stock.
 DISAGREE_LINE="paged MQA logits DISAGREE"
+# Logged (WARNING) when vLLM builds a config whose indexer never calls the patched function (MXFP4).
+MODEL_STOCK_LINE="vllm-flydsl-indexer: FlyDSL never runs for this model:"
 # Logged once per distinct reason when an eligible-looking call kept the stock path.
 STOCK_CALL_LINE="vllm-flydsl-indexer: stock path for this call:"
 # Logged (WARNING) when a tuned table cannot be used: the process routes without it.
@@ -142,12 +144,14 @@ count_lines() {
 }
 
 # check_plugin_lines ARM LOGFILE MIN_ACTIVE: the plugin's per-process lines match the arm.
-# flydsl: at least MIN_ACTIVE processes (the TP workers) say ACTIVE and none disagreed.
+# flydsl: at least MIN_ACTIVE processes (the TP workers) say ACTIVE, none disagreed, and the model
+# calls the patched function at all (no MODEL_STOCK_LINE: otherwise both arms would run stock).
 # stock: the plugin loaded (at least one line) and no process says ACTIVE.
 check_plugin_lines() {
 	local arm=$1 logfile=$2 min_active=$3
-	local active stock disagree
+	local active stock disagree model_stock
 	active=$(count_lines "$ACTIVE_LINE" "$logfile")
+	model_stock=$(count_lines "$MODEL_STOCK_LINE" "$logfile")
 	stock=$(count_lines "$STOCK_LINE" "$logfile")
 	disagree=$(count_lines "$DISAGREE_LINE" "$logfile")
 	log "plugin lines in ${logfile}: ${active} ACTIVE, ${stock} stock, ${disagree} DISAGREE"
@@ -163,6 +167,11 @@ check_plugin_lines() {
 		fi
 		if ((disagree > 0)); then
 			log "the verify canary failed in ${disagree} process(es); they run the stock path"
+			return 1
+		fi
+		if ((model_stock > 0)); then
+			grep -F -- "$MODEL_STOCK_LINE" "$logfile" >&2 || true
+			log "this model never calls the patched function: both arms would run stock"
 			return 1
 		fi
 	elif ((active > 0)); then

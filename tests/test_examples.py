@@ -56,6 +56,7 @@ MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
 ACTIVE = f"{_logging.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
 STOCK = f"{_logging.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
 DISAGREE = f"{_logging.HEAD} FlyDSL and stock {_logging.DISAGREE_LINE} on the first eligible call: x"
+MODEL_STOCK = f"{_logging.MODEL_STOCK_LINE} deepseek_v4 runs aiter's MXFP4 indexer (...)"
 
 
 @cache
@@ -641,6 +642,7 @@ COMMON_SH_COPIES = {
     "STOCK_CALL_LINE": _logging.STOCK_CALL_LINE,
     "TABLE_IGNORED_LINE": _logging.TABLE_IGNORED_LINE,
     "DISAGREE_LINE": _logging.DISAGREE_LINE,
+    "MODEL_STOCK_LINE": _logging.MODEL_STOCK_LINE,
     "FLYDSL_SWITCH": envs.SWITCH,
     "TUNED_CSV_VAR": envs.TUNED_CSV,
     "PLUGIN_NAME": PLUGIN_NAME,
@@ -673,6 +675,8 @@ def test_common_sh_repeats_the_plugins_names() -> None:
         ("flydsl", [ACTIVE] * 8 + [STOCK] * 2, True),
         ("flydsl", [ACTIVE] * 7 + [STOCK] * 3, False),
         ("flydsl", [ACTIVE] * 10 + [DISAGREE], False),
+        ("flydsl", [MODEL_STOCK] + [ACTIVE] * 10, False),
+        ("stock", [MODEL_STOCK] + [STOCK] * 10, True),
         ("flydsl", ["INFO unrelated"], False),
         ("stock", [STOCK] * 10, True),
         ("stock", [STOCK] * 9 + [ACTIVE], False),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import logging
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,7 +17,14 @@ from conftest import simulation_env
 from test_cli import cli
 from test_drift import function, module_source, vllm_root
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE
+from vllm_flydsl_indexer._logging import MODEL_STOCK_LINE
+from vllm_flydsl_indexer.callers import (
+    CALL_SITES,
+    DEFINING_MODULE,
+    FP8_SETTING,
+    MXFP4_DEFAULT_FUNCTION,
+    mxfp4_reason,
+)
 from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE
 from vllm_flydsl_indexer.tools import reach
 
@@ -28,7 +36,7 @@ OFF = SimpleNamespace(active=False, reason="the switch is off", variant=None)
 FIRST_REASON = {
     "deepseek_v32": None,
     "glm_moe_dsa": None,
-    "deepseek_v4": "DeepSeek-V4 uses aiter's MXFP4 indexer by default",
+    "deepseek_v4": "deepseek_v4 runs aiter's MXFP4 indexer",
     "deepseek_v41": "vLLM resolves the block-outer KV cache layout",
     "glm5_next": "vLLM resolves the block-outer KV cache layout",
 }
@@ -213,34 +221,92 @@ def test_mxfp4_default_is_read_from_vllm():
     if VLLM.startswith("0.32."):
         assert reach.mxfp4_default_models() == frozenset()
         return
-    src = ast.unparse(function(tree, reach.MXFP4_DEFAULT_FUNCTION))
+    src = ast.unparse(function(tree, MXFP4_DEFAULT_FUNCTION))
     assert "attention_config.indexer_kv_dtype = 'mxfp4'" in src
     assert reach.mxfp4_default_models() == {"deepseek_v4"}
 
 
-def test_register_cannot_see_the_model_config():
-    """Why the runtime has no per-model warning: vLLM loads plugins before a current config is set.
+def method(module: str, cls: str, name: str) -> ast.FunctionDef:
+    body = next(c for c in module_source(module).body if isinstance(c, ast.ClassDef) and c.name == cls).body
+    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
 
-    Workers call ``load_general_plugins()`` in ``init_worker`` outside any
-    ``set_current_vllm_config`` block, and process 0 in ``EngineArgs.__post_init__``,
-    before a VllmConfig exists; ``register()`` runs once per process.
+
+def calls(node: ast.AST, name: str) -> bool:
+    return any(isinstance(c, ast.Call) and ast.unparse(c.func) == name for c in ast.walk(node))
+
+
+def test_plugins_load_before_vllm_resolves_the_indexer_dtype():
+    """Why the config watch sees every config: process 0 loads plugins in ``EngineArgs.__post_init__``.
+
+    A VllmConfig is built only later (``create_engine_config``), and its
+    ``__post_init__`` runs the platform's ``check_and_update_config``, which
+    calls vLLM's MXFP4 default by its module global: the name the watch replaces.
     """
+    assert calls(method("vllm.engine.arg_utils", "EngineArgs", "__post_init__"), "load_general_plugins")
+    assert calls(
+        method("vllm.config.vllm", "VllmConfig", "__post_init__"), "current_platform.check_and_update_config"
+    )
+    if VLLM.startswith("0.32."):
+        assert reach.mxfp4_default_models() == frozenset()
+        return
+    update = method("vllm.platforms.rocm", "RocmPlatform", "check_and_update_config")
+    assert calls(update, MXFP4_DEFAULT_FUNCTION)
 
-    def method(module: str, cls: str, name: str) -> ast.FunctionDef:
-        body = next(
-            c for c in module_source(module).body if isinstance(c, ast.ClassDef) and c.name == cls
-        ).body
-        return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
 
-    def loads_plugins(node: ast.AST) -> bool:
-        return any(
-            isinstance(c, ast.Call) and ast.unparse(c.func) == "load_general_plugins" for c in ast.walk(node)
-        )
+def dsv4_config(indexer_kv_dtype: str) -> SimpleNamespace:
+    """The parts of a VllmConfig that vLLM's MXFP4 default reads, for DeepSeek-V4."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v4")),
+        attention_config=SimpleNamespace(indexer_kv_dtype=indexer_kv_dtype, indexer_sparse_logits=False),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+    )
 
-    init = method("vllm.v1.worker.worker_base", "WorkerWrapperBase", "init_worker")
-    assert loads_plugins(init)
-    assert not any(loads_plugins(w) for w in ast.walk(init) if isinstance(w, ast.With))
-    assert loads_plugins(method("vllm.engine.arg_utils", "EngineArgs", "__post_init__"))
+
+def test_a_model_on_the_mxfp4_indexer_gets_one_warning_when_vllm_builds_its_config(installed, plugin_log):
+    import vllm.platforms.rocm as rocm
+
+    if VLLM.startswith("0.32."):
+        assert installed.config_watch is None and not hasattr(rocm, MXFP4_DEFAULT_FUNCTION)
+        return
+    active = len(plugin_log)
+    config = dsv4_config("auto")
+    for _ in range(2):  # vLLM's own default, then the same config again: one line
+        getattr(rocm, MXFP4_DEFAULT_FUNCTION)(config)
+    assert config.attention_config.indexer_kv_dtype == "mxfp4"  # vLLM's real default ran
+    new = plugin_log[active:]
+    assert [r.levelno for r in new] == [logging.WARNING]
+    assert new[0].getMessage() == f"{MODEL_STOCK_LINE} {mxfp4_reason('deepseek_v4')}"
+    assert FP8_SETTING in new[0].getMessage()
+    # doctor --model says it in the same words.
+    assert reach.assess("deepseek_v4", None, ACTIVE)["reason"] == mxfp4_reason("deepseek_v4")
+
+
+def test_an_fp8_indexer_config_gets_no_warning_and_uninstall_restores_vllm(installed, plugin_log):
+    import vllm.platforms.rocm as rocm
+
+    from vllm_flydsl_indexer import patch
+
+    if VLLM.startswith("0.32."):
+        pytest.skip("vLLM 0.32.0 has no MXFP4 indexer to watch")
+    original = installed.config_watch[1]
+    assert getattr(rocm, MXFP4_DEFAULT_FUNCTION).__wrapped__ is original
+    active = len(plugin_log)
+    config = dsv4_config("fp8")
+    getattr(rocm, MXFP4_DEFAULT_FUNCTION)(config)
+    assert config.attention_config.indexer_kv_dtype == "fp8" and plugin_log[active:] == []
+    patch.uninstall()
+    assert getattr(rocm, MXFP4_DEFAULT_FUNCTION) is original
+
+
+def test_a_stock_plugin_leaves_the_mxfp4_default_alone(target, monkeypatch, fresh_register, plugin_log):
+    import vllm.platforms.rocm as rocm
+
+    if VLLM.startswith("0.32."):
+        pytest.skip("vLLM 0.32.0 has no MXFP4 indexer to watch")
+    before = getattr(rocm, MXFP4_DEFAULT_FUNCTION)
+    monkeypatch.setenv(envs.SWITCH, "0")
+    fresh_register()
+    assert getattr(rocm, MXFP4_DEFAULT_FUNCTION) is before and not hasattr(before, "__wrapped__")
 
 
 # ------------------------------------------------------------------ the README's table
@@ -268,7 +334,7 @@ def test_readme_model_table_agrees_with_doctor(model_type):
     _, reaches, layout, takes = rows[model_type]
     data = reach.assess(model_type, None, ACTIVE)
     mxfp4 = data["indexer_path"].startswith("MXFP4")
-    assert (": no.**" in reaches) is mxfp4 and (reach.MXFP4_DEFAULT_FUNCTION in reaches) is mxfp4
+    assert (": no.**" in reaches) is mxfp4 and (MXFP4_DEFAULT_FUNCTION in reaches) is mxfp4
     assert reaches.startswith("yes") is not mxfp4
     for ratio in re.findall(r"`compress_ratio` (\d+)", reaches):
         assert int(ratio) in data["compress_ratio"], (model_type, ratio)

@@ -10,6 +10,7 @@ __all__ = [
     "DISAGREE_LINE",
     "HEAD",
     "LOGGER_NAME",
+    "MODEL_STOCK_LINE",
     "STOCK_CALL_LINE",
     "STOCK_LINE",
     "TABLE_IGNORED_LINE",
@@ -26,6 +27,7 @@ HEAD = "vllm-flydsl-indexer:"
 ACTIVE_LINE = f"{HEAD} FlyDSL paged MQA logits ACTIVE"
 STOCK_LINE = f"{HEAD} stock paged MQA logits (FlyDSL inactive:"
 STOCK_CALL_LINE = f"{HEAD} stock path for this call:"
+MODEL_STOCK_LINE = f"{HEAD} FlyDSL never runs for this model:"
 TABLE_IGNORED_LINE = f"{HEAD} tuned table ignored:"
 DISAGREE_LINE = "paged MQA logits DISAGREE"
 

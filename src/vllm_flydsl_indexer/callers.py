@@ -59,6 +59,15 @@ Re-audited in vLLM 0.34.0, which changes none of the call sites' arguments:
   ``compress_ratio`` (``max_model_len=max_pool_len``); around the call only the
   workspace reservation and a kpool warm-up registration changed.
 * DeepSeek-V4.1's AMD ops module is unchanged.
+
+And the path that never calls it: the MXFP4 indexer (vLLM 0.33.0 and 0.34.0),
+aiter's paged MXFP4 kernels, taken when the resolved ``indexer_kv_dtype`` is
+``"mxfp4"``. vLLM's ROCm platform picks it for DeepSeek-V4 on CDNA4 with aiter
+on (``_maybe_default_dsv4_mxfp4_indexer``, called by name from
+``RocmPlatform.check_and_update_config``); a user can also ask for it.
+:func:`config_objection` reads the resolved config, so the plugin can say so
+when the config is built (:mod:`vllm_flydsl_indexer.patch`) and ``doctor
+--model`` can say it in the same words.
 """
 
 from __future__ import annotations
@@ -67,14 +76,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_POSITIONAL
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, TARGET_POSITIONAL
 
 __all__ = [
     "CALL_SITES",
     "CallSite",
     "DEFINING_MODULE",
+    "FP8_SETTING",
+    "MXFP4_DEFAULT_FUNCTION",
+    "MXFP4_DEFAULT_MODULE",
     "call_site_in",
+    "config_objection",
     "multi_row_objection",
+    "mxfp4_reason",
 ]
 
 # The module that defines the target; its own indexer calls it.
@@ -150,6 +164,33 @@ def multi_row_objection(caller: str | None) -> str | None:
     if not site.multi_row:
         return f"next_n > 1 from {caller}: its bounds are {site.bounds.split(':')[0]} ({site.compress_ratio})"
     return None
+
+
+# Where vLLM resolves "auto" to the MXFP4 indexer, and the setting that keeps FP8.
+MXFP4_DEFAULT_MODULE = "vllm.platforms.rocm"
+MXFP4_DEFAULT_FUNCTION = "_maybe_default_dsv4_mxfp4_indexer"
+FP8_SETTING = """--attention-config '{"indexer_kv_dtype": "fp8"}'"""
+
+
+def mxfp4_reason(model_type: str) -> str:
+    """Why a model on the MXFP4 indexer never reaches FlyDSL (the runtime WARNING and doctor's reason)."""
+    return (
+        f"{model_type} runs aiter's MXFP4 indexer (indexer_kv_dtype 'mxfp4', vLLM's default for it on "
+        f"MI350/MI355 with aiter: {MXFP4_DEFAULT_FUNCTION}), which never calls {TARGET_NAME}; "
+        f"{FP8_SETTING} selects the FP8 indexer, which does"
+    )
+
+
+def config_objection(vllm_config: object) -> str | None:
+    """Why no call of the model ``vllm_config`` describes reaches the target, or ``None``.
+
+    Reads attributes only, with defaults, so any object is accepted.
+    """
+    attention = getattr(vllm_config, "attention_config", None)
+    if getattr(attention, "indexer_kv_dtype", None) != "mxfp4":
+        return None
+    hf_config = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+    return mxfp4_reason(str(getattr(hf_config, "model_type", None) or "this model"))
 
 
 _CALL_SITE = compile(

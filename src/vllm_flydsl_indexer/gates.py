@@ -34,8 +34,9 @@ __all__ = [
 
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
-# vLLM loads plugins before any model config exists (in every process), so the plugin cannot
-# tell at start-up whether the served model ever calls the patched function: doctor can.
+# vLLM loads plugins before any model config exists (in every process), so the ACTIVE line cannot
+# tell whether the served model ever calls the patched function: doctor can (and patch.py's config
+# watch warns when vLLM later resolves the model's indexer to MXFP4).
 MODEL_HINT = "vllm-flydsl-indexer doctor --model MODEL tells whether yours does"
 
 

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Install and uninstall the FlyDSL router over vLLM's decode-logits call.
 
-Patch registry (one patch):
+Patch registry (two patches, installed and undone together):
+
+1. The router.
 
 * **What:** ``vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits``.
 * **Why:** on gfx950 it calls aiter's Gluon ``deepgemm_fp8_paged_mqa_logits``;
@@ -20,6 +22,21 @@ Patch registry (one patch):
 * **Upstream:** aiter PR #4221 (the kernel; not merged) and aiter PR #6140 (the
   tuned dispatcher; open). Retire this patch once vLLM routes to FlyDSL itself.
 
+2. The config watch (vLLM 0.33.0 and later; absent where vLLM has no MXFP4 indexer).
+
+* **What:** ``vllm.platforms.rocm._maybe_default_dsv4_mxfp4_indexer``.
+* **Why:** a model on aiter's MXFP4 indexer (vLLM's default for DeepSeek-V4 on
+  MI350/MI355) never calls the target, so after ACTIVE the plugin would say
+  nothing at all. Plugins load before any model config exists; this function
+  is where vLLM's ROCm platform resolves the indexer cache dtype, once per
+  config, never on the decode path.
+* **How:** a wrapper calls the original unchanged, then reads the resolved
+  config (:func:`vllm_flydsl_indexer.callers.config_objection`) and logs one
+  WARNING naming the setting that selects the FP8 indexer.
+  ``RocmPlatform.check_and_update_config`` calls the function by its module
+  global, so replacing that global is enough (``tests/test_reach.py`` pins it).
+* **Upstream:** none; retire it with the router.
+
 Why it is safe: everything is resolved before anything changes, the swap is
 plain attribute assignment, and :func:`uninstall` restores every binding.
 """
@@ -33,6 +50,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
+from vllm_flydsl_indexer._logging import MODEL_STOCK_LINE, log_once
+from vllm_flydsl_indexer.callers import MXFP4_DEFAULT_FUNCTION, MXFP4_DEFAULT_MODULE, config_objection
 from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.stock import vllm_stock_hooks
@@ -44,6 +63,7 @@ __all__ = [
     "install",
     "installed",
     "uninstall",
+    "watch_config",
     "wrap",
 ]
 
@@ -54,6 +74,8 @@ class InstalledPatch:
     wrapper: Callable
     router: FlyDSLRouter
     modules: list[ModuleType]
+    # The module whose MXFP4 default is watched, and that function's original; None without one.
+    config_watch: tuple[ModuleType, Callable] | None = None
 
 
 _installed: InstalledPatch | None = None
@@ -90,6 +112,39 @@ def wrap(original: Callable, router: FlyDSLRouter) -> Callable:
     return rocm_fp8_paged_mqa_logits
 
 
+def watch_config(original: Callable, logger: logging.Logger) -> Callable:
+    """``original`` (vLLM's MXFP4 default), then one WARNING when the model never calls the target."""
+
+    @functools.wraps(original)
+    def watched(vllm_config, *args, **kwargs):
+        result = original(vllm_config, *args, **kwargs)
+        try:
+            reason = config_objection(vllm_config)
+        except Exception as e:  # noqa: BLE001 - a warning never fails vLLM's config
+            logger.debug("%s model config unreadable (%s: %s)", MODEL_STOCK_LINE, type(e).__name__, e)
+            return result
+        if reason is not None:
+            log_once(logger, logging.WARNING, "%s %s", MODEL_STOCK_LINE, reason)
+        return result
+
+    setattr(watched, MARKER, True)
+    return watched
+
+
+def _install_config_watch(logger: logging.Logger) -> tuple[ModuleType, Callable] | None:
+    """Wrap vLLM's MXFP4 default where this vLLM has one.
+
+    Imports nothing: the gates imported vLLM's ROCm platform before any install
+    (a caller outside vLLM, as the tools, may have none to watch).
+    """
+    module = sys.modules.get(MXFP4_DEFAULT_MODULE)
+    original = getattr(module, MXFP4_DEFAULT_FUNCTION, None)
+    if module is None or original is None or getattr(original, MARKER, False):
+        return None
+    setattr(module, MXFP4_DEFAULT_FUNCTION, watch_config(original, logger))
+    return module, original
+
+
 def install(
     target: ModuleType,
     variant: KernelVariant,
@@ -107,9 +162,10 @@ def install(
     router = FlyDSLRouter(current, variant, hooks, logger, verifier=verifier, table=table)
     rocm_fp8_paged_mqa_logits = wrap(current, router)
     modules = _bindings(current)
+    watch = _install_config_watch(logger)
     for module in modules:
         setattr(module, TARGET_NAME, rocm_fp8_paged_mqa_logits)
-    _installed = InstalledPatch(current, rocm_fp8_paged_mqa_logits, router, modules)
+    _installed = InstalledPatch(current, rocm_fp8_paged_mqa_logits, router, modules, watch)
     return _installed
 
 
@@ -129,4 +185,7 @@ def uninstall() -> None:
             continue
         if namespace.get(TARGET_NAME) is _installed.wrapper:
             setattr(module, TARGET_NAME, _installed.original)
+    if _installed.config_watch is not None:
+        module, original = _installed.config_watch
+        setattr(module, MXFP4_DEFAULT_FUNCTION, original)
     _installed = None

@@ -25,13 +25,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from vllm_flydsl_indexer.callers import CALL_SITES, DEFINING_MODULE
+from vllm_flydsl_indexer.callers import (
+    CALL_SITES,
+    DEFINING_MODULE,
+    FP8_SETTING,
+    MXFP4_DEFAULT_FUNCTION,
+    MXFP4_DEFAULT_MODULE,
+    mxfp4_reason,
+)
 from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
 
 __all__ = [
-    "FP8_SETTING",
     "MODELS",
-    "MXFP4_DEFAULT_FUNCTION",
     "ModelError",
     "ModelReach",
     "ROCM_SPARSE_MLA",
@@ -51,8 +56,6 @@ if TYPE_CHECKING:
 _MLA = "vllm.v1.attention.backends.mla"
 ROCM_SPARSE_MLA = f"{_MLA}.rocm_aiter_mla_sparse:ROCMAiterMLASparseBackend"
 V32_INDEXER = f"{_MLA}.indexer:DeepseekV32IndexerBackend"
-MXFP4_DEFAULT_FUNCTION = "_maybe_default_dsv4_mxfp4_indexer"
-FP8_SETTING = """--attention-config '{"indexer_kv_dtype": "fp8"}'"""
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,7 @@ def mxfp4_default_models() -> frozenset[str] | None:
     the installed vLLM has no such default, as 0.32.0): the string its
     ``model_type`` is compared with.
     """
-    path = _vllm_file("vllm.platforms.rocm")
+    path = _vllm_file(MXFP4_DEFAULT_MODULE)
     if path is None:
         return None
     tree = ast.parse(path.read_text())
@@ -253,10 +256,7 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
     mxfp4 = mxfp4_default_models()
     if mxfp4 is not None and model_type in mxfp4:
         path = f"MXFP4 (vLLM's default on CDNA4 with aiter: platforms/rocm.py {MXFP4_DEFAULT_FUNCTION})"
-        reasons.append(
-            f"{model.label} uses aiter's MXFP4 indexer by default on MI350/MI355 "
-            f"({MXFP4_DEFAULT_FUNCTION}), which never calls the patched function; {FP8_SETTING} selects FP8"
-        )
+        reasons.append(mxfp4_reason(model_type))
     elif mxfp4 is None:
         path = "unknown (vLLM's platforms/rocm.py unreadable)"
     else:
