@@ -5,11 +5,11 @@ Asked of vLLM wherever it answers without a GPU: the KV cache layout its
 indexer backends resolve (``supported_kv_cache_layouts`` and
 ``get_supported_kv_cache_layouts``), which model types default to the MXFP4
 indexer (the source of ``platforms/rocm.py``'s
-``_maybe_default_dsv4_mxfp4_indexer``: importing that module needs a GPU), and
-whether stock sends a ``compress_ratio`` to its own C4A route (the target's
-``_indexer_k_is_c4a_block_flat``). What vLLM cannot say without building the
-model (which backends and which call site a model uses, its indexer shapes and
-ratios) is :data:`MODELS`, pinned by ``tests/test_reach.py`` against the
+``_maybe_default_dsv4_mxfp4_indexer``: importing that module asks an AMD GPU
+for its arch), and whether stock sends a ``compress_ratio`` to its own C4A
+route (the target's ``_indexer_k_is_c4a_block_flat``). What vLLM cannot say
+without building the model (which backends and which call site a model uses,
+its indexer shapes and ratios) is :data:`MODELS`, pinned by ``tests/test_reach.py`` against the
 installed vLLM. No torch or vLLM import at module level: the CLI validates
 ``--model`` with :func:`resolve` before any work.
 """
