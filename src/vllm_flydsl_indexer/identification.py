@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import importlib.metadata
 import inspect
 import textwrap
 from collections.abc import Callable, Iterable
@@ -62,6 +63,7 @@ from vllm_flydsl_indexer.kernels import (
 )
 
 __all__ = [
+    "AITER_DISTRIBUTIONS",
     "DISPATCHER_MODULE",
     "KERNEL_MODULES",
     "KERNEL_NAME",
@@ -72,6 +74,7 @@ __all__ = [
     "identify",
     "identify_dispatcher",
     "identify_flydsl",
+    "installed_version",
 ]
 
 KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
@@ -84,6 +87,19 @@ KERNEL_MODULES = (
 DISPATCHER_MODULE = "aiter.paged_mqa_logits"
 DISPATCHER_NAME = "paged_mqa_logits"
 DISPATCHER_CONFIG_NAME = "get_paged_mqa_logits_config"
+# Distribution names of aiter, first found wins: its ROCm wheels are published as
+# amd-aiter ("aiter" on PyPI is an unrelated library).
+AITER_DISTRIBUTIONS = ("amd-aiter", "aiter")
+
+
+def installed_version(distributions: Iterable[str]) -> tuple[str, str] | None:
+    """``(version, distribution)`` of the first of ``distributions`` installed, or ``None``."""
+    for distribution in distributions:
+        try:
+            return importlib.metadata.version(distribution), distribution
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 def _as_set(value: object) -> frozenset[int] | None:

@@ -26,7 +26,6 @@ the kernel raises reaches vLLM.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import torch
 
 from vllm_flydsl_indexer import tuning
 from vllm_flydsl_indexer._logging import DISAGREE_LINE, HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE, log_once
+from vllm_flydsl_indexer.identification import AITER_DISTRIBUTIONS, installed_version
 from vllm_flydsl_indexer.kernels import KernelVariant, cu_count
 from vllm_flydsl_indexer.rules import LIVE_RULES, MEMOISED_RULES
 from vllm_flydsl_indexer.stock import StockHooks
@@ -332,12 +332,8 @@ class FlyDSLRouter:
 def _stack_versions() -> str:
     """``flydsl X, aiter Y`` from the installed distributions ("unknown" if absent); read once, lazily."""
 
-    def version(*dists: str) -> str:
-        for dist in dists:
-            try:
-                return importlib.metadata.version(dist)
-            except importlib.metadata.PackageNotFoundError:
-                continue
-        return "unknown"
+    def version(distributions: tuple[str, ...]) -> str:
+        found = installed_version(distributions)
+        return found[0] if found else "unknown"
 
-    return f"flydsl {version('flydsl')}, aiter {version('amd-aiter', 'aiter')}"
+    return f"flydsl {version(('flydsl',))}, aiter {version(AITER_DISTRIBUTIONS)}"

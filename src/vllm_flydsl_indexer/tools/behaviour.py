@@ -107,8 +107,11 @@ __all__ = [
 
 FLYDSL, STOCK = "FlyDSL", "stock"
 CONTEXT_LEN = 256
+# FlyDSL's i32 byte offsets, written out for the same reason (the plugin's is target.I32_OFFSET_LIMIT).
 I32_LIMIT = 2**31
-# aiter's tuned-CSV columns, as aiter's tuner writes them (tests pin them to tuning.COLUMNS).
+# aiter's tuned-CSV columns, as aiter's tuner writes them. Written out, not imported: check writes its
+# table as aiter would and reads it with the plugin's parser, so a column the plugin names wrong fails
+# check instead of agreeing with itself (tests pin the two equal).
 AITER_COLUMNS = (
     "gfx",
     "cu_num",

@@ -20,7 +20,7 @@ import importlib
 import itertools
 import os
 import re
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from vllm_flydsl_indexer.tools import settings
 from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS
@@ -50,6 +50,9 @@ from vllm_flydsl_indexer.tools.settings import (
     shape_fits,
 )
 
+if TYPE_CHECKING:
+    from vllm_flydsl_indexer.tuning import TunedRow
+
 __all__ = [
     "OUTPUTS",
     "OneLineParser",
@@ -68,7 +71,7 @@ __all__ = [
     "positive_int",
     "positive_int_list",
     "seed",
-    "tune_file_problem",
+    "tune_file",
     "tune_problem",
     "validate",
 ]
@@ -468,28 +471,27 @@ def tune_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def tune_file_problem(path: str) -> str | None:
-    """Why ``--tune path`` cannot be merged into: it exists, is not empty, and is not aiter's format
-    or has a row the plugin's validator (``tuning.check_row``) refuses."""
+def tune_file(path: str) -> tuple[list[TunedRow], str | None]:
+    """The rows already in ``--tune path`` (none for a new or empty file), and why it cannot be
+    merged into (it is not aiter's format or has a row ``tuning.check_row`` refuses), or ``None``."""
     from vllm_flydsl_indexer import tuning
 
     if not os.path.isfile(path) or os.path.getsize(path) == 0:
-        return None  # a new table
+        return [], None  # a new table
     try:
         with open(path, encoding="utf-8", newline="") as f:
             if tuple(next(csv.reader(f), ())) != tuning.COLUMNS:
-                return (
+                return [], (
                     f"argument --tune: {path} is not an aiter-format tuned CSV (header "
                     f"{','.join(tuning.COLUMNS)}); not overwriting it: "
                     "give a new, empty or earlier --tune file"
                 )
             f.seek(0)
-            tuning.read_rows(f, path)
+            return tuning.read_rows(f, path), None
     except tuning.TableError as e:
-        return f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)"
+        return [], f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)"
     except (OSError, UnicodeError, csv.Error, ValueError) as e:
-        return f"argument --tune: cannot read {path} ({e}); not overwriting it"
-    return None
+        return [], f"argument --tune: cannot read {path} ({e}); not overwriting it"
 
 
 OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))
@@ -524,7 +526,7 @@ def validate(args: argparse.Namespace) -> str | None:
         return _check_sizes_problem(args)
     tuning = bool(getattr(args, "tune_path", None))
     if tuning:
-        problem = tune_problem(args) or tune_file_problem(args.tune_path)
+        problem = tune_problem(args) or tune_file(args.tune_path)[1]
     problem = problem or _bench_sizes_problem(args)
     if problem is None and args.plot_path and not tuning:
         try:

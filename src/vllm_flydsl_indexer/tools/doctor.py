@@ -16,6 +16,7 @@ import textwrap
 from typing import Any
 
 from vllm_flydsl_indexer import envs, gates, tuning
+from vllm_flydsl_indexer.identification import AITER_DISTRIBUTIONS, installed_version
 from vllm_flydsl_indexer.kernels import (
     BLOCK_OUTER_LAYOUTS,
     BLOCK_OUTER_NOTE,
@@ -47,24 +48,19 @@ __all__ = [
 ]
 
 NOT_INSTALLED = "not installed"
-# Distribution names to read versions from, first found wins. aiter's ROCm
-# wheels are published as amd-aiter; "aiter" on PyPI is an unrelated library.
+# Distribution names to read versions from, first found wins.
 PACKAGES = {
     "torch": ("torch",),
     "vllm": ("vllm",),
-    "aiter": ("amd-aiter", "aiter"),
+    "aiter": AITER_DISTRIBUTIONS,
     "flydsl": ("flydsl",),
     "triton": ("triton", "pytorch-triton-rocm"),
 }
 
 
 def package_version(dists: tuple[str, ...]) -> str:
-    for dist in dists:
-        try:
-            return f"{importlib.metadata.version(dist)} ({dist})"
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return NOT_INSTALLED
+    found = installed_version(dists)
+    return f"{found[0]} ({found[1]})" if found else NOT_INSTALLED
 
 
 def platform_report() -> dict[str, Any]:
@@ -219,10 +215,8 @@ def flydsl_requirement_report() -> dict[str, Any]:
                 continue
             data["aiter_dist"], data["declares"] = dist, _flydsl_requirement(requirements)
             break
-        try:
-            data["installed"] = importlib.metadata.version("flydsl")
-        except importlib.metadata.PackageNotFoundError:
-            pass
+        found = installed_version(PACKAGES["flydsl"])
+        data["installed"] = found[0] if found else None
     except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
         return data | {"note": f"unknown ({type(e).__name__}: {e})"}
     if data["aiter_dist"] is None:

@@ -262,7 +262,6 @@ def tune_rows(
                 strict=True,
             )
         )
-        tuning.check_row({k: str(v) for k, v in row.items()})  # what this tool writes, it reads back
         rows.append(row)
         sweep.done += 1
         measured = ", ".join(f"{name} {scores[name]:.1f} us" for name in scores)
@@ -274,18 +273,16 @@ def existing_rows(path: str) -> list[tuning.TunedRow]:
     """The rows already in ``path`` (none if absent or empty), every one validated.
 
     Refuses (exit 2, one line) a file that is not aiter's format or has any
-    malformed row; ``cli_args.tune_file_problem`` refused it before the run already.
+    malformed row, as the parser did before the run (:func:`cli_args.tune_file`).
     """
-    if not os.path.exists(path) or os.path.getsize(path) == 0:
-        return []
-    problem = cli_args.tune_file_problem(path)
+    rows, problem = cli_args.tune_file(path)
     if problem is not None:
         settings.fail(f"{settings.PROG} bench", problem)
-    with open(path, encoding="utf-8", newline="") as f:
-        return tuning.read_rows(f, path)
+    return rows
 
 
 def _row_id(row: dict[str, object]) -> tuple:
+    """A measured row's lookup identity, validated: what this tool writes, the plugin reads back."""
     checked = tuning.check_row({k: str(v) for k, v in row.items()})
     return (checked.gfx, checked.key)
 
