@@ -87,7 +87,9 @@ def _register(logger: logging.Logger) -> None:
         if not decision.variant.own_table:
             from vllm_flydsl_indexer import tuning
 
-            table = tuning.load(tuning.env_source(), tuning.arch_of(decision.gcn_arch or ""), logger)
+            source = tuning.env_source(decision.variant.name)
+            table = tuning.load_source(source, tuning.arch_of(decision.gcn_arch or ""), logger)
+            decision.table = tuning.in_use(source, table is not None)
         patch.install(decision.target_module, decision.variant, logger, verifier, table)
     line = decision.log_line()
     if decision.warnings:

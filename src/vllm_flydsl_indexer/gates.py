@@ -62,6 +62,8 @@ class Decision:
     warnings: list[str] = field(default_factory=list)
     # The arch as vLLM reports it (e.g. "gfx950:sramecc+:xnack-"), when ROCm.
     gcn_arch: str | None = None
+    # Which measured table picks the arm per shape, in a few words (set when the patch is installed).
+    table: str | None = None
 
     def log_line(self) -> str:
         """The one line ``register()`` logs: ACTIVE with what replaces what, or stock with the reason."""
@@ -70,7 +72,8 @@ class Decision:
                 f"{ACTIVE_LINE} ({self.variant.location if self.variant else '?'}, "
                 f"{self.variant.description if self.variant else '?'}, replaces "
                 f"{TARGET_MODULE}.{TARGET_NAME} for eligible decode calls"
-                f"{'; verify-on-enable on' if self.verify else ''}; "
+                f"{'; verify-on-enable on' if self.verify else ''}"
+                f"{f'; per shape: {self.table}' if self.table else ''}; "
                 "only models whose FP8 indexer calls it on a layer-contiguous cache reach it: "
                 f"{MODEL_HINT})"
             )

@@ -152,14 +152,16 @@ class FlyDSLRouter:
         return Route(None, config, call.caller, kwargs, f"; {note}")
 
     def _drop_foreign_table(self, cus: int) -> None:
-        """A table with no rows for this GPU's CU count is dropped, with one WARNING."""
+        """A table with no rows for this GPU's CU count is dropped, with one WARNING (INFO for the
+        built-in table, which the user did not ask for: it applies where it was measured only)."""
         table = self.table
         if table is None or cus in table.cu_counts():
             return
-        self.logger.warning(
+        self.logger.log(
+            logging.INFO if table.origin == "built-in" else logging.WARNING,
             "%s %s has %s rows for CU count(s) %s, none for this GPU's %d CUs",
             TABLE_IGNORED_LINE,
-            table.source,
+            table.name,
             table.gfx,
             sorted(table.cu_counts()),
             cus,

@@ -8,9 +8,14 @@ that dispatcher, the plugin routes through it and its table decides. When aiter
 has a FlyDSL kernel but no dispatcher, this module gives the plugin the same
 choice, and the same launch, from the same kind of file:
 
-* **Where from:** ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` if set, else the table the
-  installed aiter ships (``aiter/configs/paged_mqa_logits_tuned.csv``) if it
-  has one. Read once per process, when the plugin registers.
+* **Where from** (:func:`table_source`), first found: ``$VLLM_FLYDSL_INDEXER_TUNED_CSV``
+  if set (``none`` turns every table off: FlyDSL wherever eligible, the A/B of
+  the kernel alone); else the table the installed aiter ships
+  (``aiter/configs/paged_mqa_logits_tuned.csv``); else the **built-in** table,
+  for the kernel it was measured on only (:data:`BUILTIN`: aiter's published
+  table, AMD's MI355X measurements of the ``gfx950`` kernel); else none. The
+  first found replaces the others: tables are never merged. Read once per
+  process, when the plugin registers.
 * **Lookup, as aiter's:** the rows of this GPU (``gfx`` and ``cu_num``) and
   this shape (``next_n``, ``heads``, ``head_dim``, ``kv_block_size``,
   ``preshuffle``); of those, the largest tuned ``batch_size`` at or below the
@@ -49,16 +54,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from vllm_flydsl_indexer import envs
 from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.envs import ACCEPTED, parse_bool
 from vllm_flydsl_indexer.target import Call, RouterView
 
 __all__ = [
+    "BUILTIN",
     "COLUMNS",
     "KEY_COLUMNS",
+    "OFF",
     "Pick",
     "TableError",
     "TunedRow",
+    "TableSource",
     "TunedTable",
     "check_row",
     "describe",
@@ -66,6 +75,8 @@ __all__ = [
     "read",
     "read_rows",
     "pick_for",
+    "in_use",
+    "table_source",
     "where",
 ]
 
@@ -105,6 +116,44 @@ CONTEXT_LEN_SEPARATOR = ";"
 COMMENT = "#"
 # Where an aiter without the dispatcher may still ship its measured table.
 AITER_TABLE = ("aiter", "configs/paged_mqa_logits_tuned.csv")
+# $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (case-insensitive): no table at all.
+OFF = "none"
+
+
+@dataclass(frozen=True)
+class BuiltinTable:
+    """A measured table shipped as package data, and the one kernel variant it was measured on."""
+
+    resource: str  # inside this package
+    checksum: str  # beside it: SHA-256 of its lines after the provenance comment
+    source: str  # where the figures come from
+    revision: str
+    variant: str  # KernelVariant.name it applies to, and only it
+    label: str  # how the log, doctor and the stock-path reasons name it
+
+    def path(self) -> str:
+        return str(Path(__file__).resolve().parent / self.resource)
+
+
+BUILTIN = BuiltinTable(
+    resource="data/paged_mqa_logits_tuned.csv",
+    checksum="data/paged_mqa_logits_tuned.csv.sha256",
+    source="ROCm/aiter aiter/configs/paged_mqa_logits_tuned.csv (aiter PR #6140)",
+    revision="39029932a1fcde68e23c63a4e84ab02417177e01",
+    # The contiguous-q gfx950 kernel: aiter's tuner measured it (FlyDSL at wg_per_cu 1-4).
+    variant="gfx950",
+    label="built-in table (aiter 39029932, AMD's MI355X measurements)",
+)
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """Which table decides per shape: ``path`` to read (``None``: no table), its origin and name."""
+
+    path: str | None
+    origin: str  # "env", "aiter", "built-in", "off" (none asked for) or "none" (no measurement)
+    label: str  # a few words for the ACTIVE line and doctor
+
 
 # (cu_num, next_n, heads, head_dim, kv_block_size, preshuffle)
 ShapeKey = tuple[int, int, int, int, int, bool]
@@ -251,10 +300,16 @@ def _uncommented(lines: Iterable[str]) -> Iterator[str]:
 def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
     """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one."""
     reader = csv.DictReader(_uncommented(lines))
+    header: list[str] = []
     try:
-        fieldnames = reader.fieldnames
+        while not header:  # comment (blank) lines may come before the header, as in the built-in table
+            header = next(reader.reader)
+    except StopIteration:
+        pass
     except csv.Error as e:
         raise TableError(f"{source}: line {reader.line_num}: {e}") from None
+    reader.fieldnames = header
+    fieldnames = header
     missing = [c for c in COLUMNS if c not in (fieldnames or ())]
     if missing:
         raise TableError(f"{source}: missing column(s) {', '.join(missing)}")
@@ -280,8 +335,14 @@ class TunedTable:
     source: str
     gfx: str
     rows: int
+    origin: str = "env"  # a TableSource origin
     shapes: dict[ShapeKey, dict[int, list[tuple[str, int]]]] = field(default_factory=dict)
     _picks: dict[tuple, Pick | None] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def name(self) -> str:
+        """How reasons and log lines name the table: the built-in one by its label, a file by its path."""
+        return self.source if self.origin == "built-in" else f"tuned table {self.source}"
 
     def cu_counts(self) -> set[int]:
         return {key[0] for key in self.shapes}
@@ -353,10 +414,8 @@ def read(source: str, gfx: str) -> TunedTable:
         raise TableError(f"{source}: {type(e).__name__}: {e}") from None
 
 
-def table_source(env_value: str | None) -> str | None:
-    """The file to read: the variable's, else the installed aiter's shipped table, else none."""
-    if env_value:
-        return env_value
+def _aiter_table() -> str | None:
+    """The table the installed aiter ships, found without importing aiter; ``None`` if none."""
     try:
         import importlib.util
 
@@ -372,6 +431,40 @@ def table_source(env_value: str | None) -> str | None:
     return None
 
 
+def table_source(env_value: str | None, variant: str | None) -> TableSource:
+    """The table for the found kernel ``variant``: the variable's, aiter's shipped one, the built-in one
+    (only for the variant it was measured on), or none. The first found replaces the rest."""
+    value = (env_value or "").strip()
+    if value.lower() == OFF:
+        return TableSource(None, "off", f"no tuned table ({envs.TUNED_CSV}={OFF}): FlyDSL wherever eligible")
+    if value:
+        return TableSource(env_value, "env", f"tuned table {env_value} ({envs.TUNED_CSV})")
+    shipped = _aiter_table()
+    if shipped is not None:
+        return TableSource(shipped, "aiter", f"tuned table {shipped} (shipped with aiter)")
+    if variant == BUILTIN.variant:
+        return TableSource(BUILTIN.path(), "built-in", BUILTIN.label)
+    return TableSource(
+        None,
+        "none",
+        f"no measurement for the {variant or 'found'} FlyDSL kernel: FlyDSL wherever eligible "
+        "(vllm-flydsl-indexer bench --tune measures this node)",
+    )
+
+
+def load_source(source: TableSource, gfx: str, logger: logging.Logger) -> TunedTable | None:
+    """Read ``source`` for ``gfx``: ``None`` for no table, or after one WARNING when it cannot be used.
+
+    The built-in table is named by its label, not its path. Never raises.
+    """
+    table = load(source.path, gfx, logger)
+    if table is not None:
+        table.origin = source.origin
+        if source.origin == "built-in":
+            table.source = BUILTIN.label
+    return table
+
+
 def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | None:
     """Read ``source`` for ``gfx``; ``None`` (after one WARNING) when it cannot be used. Never raises."""
     if source is None:
@@ -383,10 +476,16 @@ def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | N
         return None
 
 
-def env_source() -> str | None:
-    from vllm_flydsl_indexer import envs
+def in_use(source: TableSource, loaded: bool) -> str:
+    """What the ACTIVE line says decides per shape: the source's label, or that its table was ignored."""
+    if source.path is not None and not loaded:
+        return f"{source.label} ignored, FlyDSL wherever eligible"
+    return source.label
 
-    return table_source(os.environ.get(envs.TUNED_CSV) or None)
+
+def env_source(variant: str | None) -> TableSource:
+    """:func:`table_source` from this process's environment."""
+    return table_source(os.environ.get(envs.TUNED_CSV), variant)
 
 
 def describe(table: TunedTable) -> list[dict[str, object]]:
@@ -428,4 +527,4 @@ def pick_for(call: Call, router: RouterView, cus: int) -> Pick | None:
 
 
 def where(table: TunedTable, pick: Pick, cus: int) -> str:
-    return f"tuned table {table.source}, batch >= {pick.bucket} on {table.gfx} with {cus} CUs"
+    return f"{table.name}, batch >= {pick.bucket} on {table.gfx} with {cus} CUs"

@@ -108,18 +108,28 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
 
 
 def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> dict[str, Any]:
-    """The tuned table the plugin would use here, and what it picks."""
+    """The tuned table the plugin would use here, where it comes from, and what it picks."""
     if decision.variant is not None and decision.variant.own_table:
-        return {"source": None, "note": "aiter's dispatcher decides with its own tuned table"}
+        return {
+            "source": None,
+            "origin": "dispatcher",
+            "note": "aiter's dispatcher decides with its own tuned table",
+        }
     env = os.environ if environ is None else environ
-    source = tuning.table_source(env.get(envs.TUNED_CSV) or None)
-    if source is None:
-        return {"source": None, "note": f"none ({envs.TUNED_CSV} unset, no table shipped with aiter)"}
+    chosen = tuning.table_source(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
+    if chosen.path is None:
+        return {"source": None, "origin": chosen.origin, "note": chosen.label, "in_use": chosen.label}
+    source = tuning.BUILTIN.label if chosen.origin == "built-in" else chosen.path
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
     try:
-        table = tuning.read(source, gfx)  # the plugin's own reader: it raises only TableError
+        table = tuning.read(chosen.path, gfx)  # the plugin's own reader: it raises only TableError
     except tuning.TableError as e:
-        return {"source": source, "note": f"IGNORED: {e}"}
+        return {
+            "source": source,
+            "origin": chosen.origin,
+            "note": f"IGNORED: {e}",
+            "in_use": tuning.in_use(chosen, loaded=False),
+        }
     shapes = tuning.describe(table)
     for shape in shapes:
         for bucket in shape["buckets"]:
@@ -128,7 +138,46 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
             if problem is not None:
                 bucket["arm"] = "stock"
                 bucket["why"] = f"the found kernel cannot take {problem}"
-    return {"source": source, "gfx": gfx, "rows": table.rows, "shapes": shapes, "note": "in use"}
+    cus = _gpu_cu_count()
+    if cus is None:
+        applies = f"no GPU here: the rows apply on a {gfx} GPU of {_cu_list(table)} CUs"
+    elif cus in table.cu_counts():
+        applies = f"applies: this GPU has {cus} CUs"
+    else:
+        applies = (
+            f"does NOT apply here: this GPU has {cus} CUs, the rows are for {_cu_list(table)}; "
+            "FlyDSL wherever eligible"
+        )
+    return {
+        "source": source,
+        "origin": chosen.origin,
+        "label": chosen.label,
+        "gfx": gfx,
+        "rows": table.rows,
+        "cu_here": cus,
+        "applies": applies,
+        "shapes": shapes,
+        "note": "in use",
+        "in_use": tuning.in_use(chosen, loaded=True),
+    }
+
+
+def _cu_list(table: tuning.TunedTable) -> str:
+    return "/".join(str(c) for c in sorted(table.cu_counts()))
+
+
+def _gpu_cu_count() -> int | None:
+    """This machine's GPU CU count (device 0), as the router reads it; ``None`` without a GPU."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        from vllm_flydsl_indexer.kernels import cu_count
+
+        return cu_count(torch.device("cuda", 0))
+    except Exception:  # noqa: BLE001 - doctor reports, never crashes
+        return None
 
 
 def layout_report(environ: dict[str, str] | None) -> dict[str, Any]:
@@ -251,6 +300,9 @@ def report(
 ) -> dict[str, Any]:
     """Everything doctor says; ``model`` (``reach.resolve``'s answer) adds the ``model`` section."""
     decision = gates.evaluate(environ, full=True)
+    table = table_report(decision, environ)
+    if decision.active:
+        decision.table = table.get("in_use")  # the ACTIVE line names it, as register() does
     switch = envs.read_flag(envs.SWITCH, environ)
     plat = platform_report()
     data = {
@@ -271,7 +323,7 @@ def report(
             {"name": g.name, "ok": g.ok, "skipped": g.skipped, "detail": g.detail} for g in decision.gates
         ],
         "kernel": kernel_report(decision.variant),
-        "tuned_table": table_report(decision, environ),
+        "tuned_table": table,
         "kv_cache_layout": layout_report(environ),
         "ray_non_carry_over": ray_non_carry_over_report(environ),
         "flydsl_for_aiter": flydsl_requirement_report(),
@@ -301,6 +353,44 @@ def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
         i, gate = failing[0]
         data["reason"] = f"gate {i}, {gate['name']}, above"
     return data
+
+
+def render_table(table: dict[str, Any]) -> list[str]:
+    """The tuned table's lines: its source, whether it applies here, and per shape the batch sizes
+    that go to FlyDSL (``B>=64: flydsl (wg_per_cu=3)``: from batch 64 up to the next bucket)."""
+    if table["source"] is None:
+        return [f"tuned table: {table['note']}"]
+    if "rows" not in table:
+        return [f"tuned table: {table['source']}: {table['note']}"]
+    out = [
+        f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; uncovered shapes: FlyDSL)",
+        f"             {table['applies']}",
+    ]
+    for shape in table["shapes"]:
+        out.append(
+            f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
+            f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {_batch_ranges(shape['buckets'])}"
+        )
+    return out
+
+
+def _batch_ranges(buckets: list[dict[str, Any]]) -> str:
+    """Consecutive buckets of one arm merged: ``B 1-63: stock, B 64-127: flydsl (wg_per_cu=3), ...``."""
+    runs: list[tuple[int, int | None, str]] = []  # (first batch, last batch or None, arm with knob)
+    for i, b in enumerate(buckets):
+        arm = b["arm"] + (
+            f" (wg_per_cu={b['wg_per_cu']})" if b["arm"] == "flydsl" and b.get("wg_per_cu") else ""
+        )
+        last = buckets[i + 1]["batch_at_least"] - 1 if i + 1 < len(buckets) else None
+        if runs and runs[-1][2] == arm:
+            runs[-1] = (runs[-1][0], last, arm)
+        else:
+            runs.append((b["batch_at_least"], last, arm))
+
+    def span(first: int, last: int | None) -> str:
+        return f">={first}" if last is None else (str(first) if first == last else f"{first}-{last}")
+
+    return ", ".join(f"B {span(first, last)}: {arm}" for first, last, arm in runs)
 
 
 def render(data: dict[str, Any]) -> str:
@@ -342,27 +432,7 @@ def render(data: dict[str, Any]) -> str:
             if shape["flydsl"] and shape["next_n"] > 1:
                 arm += " from audited callers"
             out.append(f"          {label:<33} {shape['kv_block_size']:<4} {shape['next_n']:<7} {arm}")
-    table = data["tuned_table"]
-    if table["source"] is None:
-        out += ["", f"tuned table: {table['note']}"]
-    elif "rows" not in table:
-        out += ["", f"tuned table: {table['source']}: {table['note']}"]
-    else:
-        out += [
-            "",
-            f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; "
-            "uncovered shapes: FlyDSL)",
-        ]
-        for shape in table["shapes"]:
-            buckets = ", ".join(
-                f"B>={b['batch_at_least']}: {b['arm']}"
-                + (f" (wg_per_cu={b['wg_per_cu']})" if b["arm"] == "flydsl" and b.get("wg_per_cu") else "")
-                for b in shape["buckets"]
-            )
-            out.append(
-                f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
-                f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {buckets}"
-            )
+    out += ["", *render_table(data["tuned_table"])]
     layout = data["kv_cache_layout"]
     out += [""] + textwrap.wrap(
         layout["note"], 100, break_on_hyphens=False, initial_indent="layout:   ", subsequent_indent=" " * 10
