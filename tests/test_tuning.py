@@ -234,8 +234,13 @@ def run_batch(target, installed, calls, batch, next_n=1, heads=32, min_len=None)
     ``min_len``: lengths from there up (default ``next_n``), e.g. so that ``max_model_len``'s pages
     do not cap SplitKV.
     """
+    return run_problem(target, installed, calls, batch_problem(batch, next_n, heads, min_len))
+
+
+def batch_problem(batch, next_n=1, heads=32, min_len=None):
+    """A fresh problem of ``batch`` sequences at KVBlockSize 64, lengths from ``min_len`` up."""
     low = next_n if min_len is None else min_len
-    p = make_paged_problem(
+    return make_paged_problem(
         torch.randint(low, low + 300, (batch,), generator=torch.Generator().manual_seed(batch)).tolist(),
         next_n=next_n,
         heads=heads,
@@ -245,6 +250,11 @@ def run_batch(target, installed, calls, batch, next_n=1, heads=32, min_len=None)
         per_row_bounds=next_n > 1,
         generator=torch.Generator().manual_seed(7 * batch),
     )
+
+
+def run_problem(target, installed, calls, p) -> list[str]:
+    """Stock and patched on problem ``p``; asserts agreement, returns the patched call's arms."""
+    batch, next_n = p.q_fp8.shape[:2]
     args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
     rows = batch * next_n
     poison_workspace(rows, p.max_model_len)
@@ -383,7 +393,9 @@ def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
         {"batch_at_least": 1, "arm": "stock"},
         {"batch_at_least": 64, "arm": "flydsl", "wg_per_cu": 0},
     ]
-    assert "256 CUs, heads=32 head_dim=128 KVB=64 next_n=1: B>=1: stock, B>=64: flydsl" in doctor.render(data)
+    assert "256 CUs, heads=32 head_dim=128 KVB=64 next_n=1: B 1-63: stock, B >=64: flydsl" in doctor.render(
+        data
+    )
     path.write_text(table_text(row(backend="?")))
     assert doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})["tuned_table"]["note"].startswith(
         "IGNORED"

@@ -1,0 +1,264 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The built-in tuned table: aiter's published MI355X measurements, for the gfx950 kernel only.
+
+The CU count is a host-side property; these tests stub it to the table's 256 so the simulated
+gfx950 GPU is the one AMD measured on. Every call goes through vLLM's real
+``rocm_fp8_paged_mqa_logits`` from its defining module, and each patched result is compared with
+stock's on the same fresh problem (``run_batch``).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import logging
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from test_tuning import batch_problem, row, run_batch, run_problem, table_text
+from vllm_flydsl_indexer import envs, kernels, patch, tuning
+from vllm_flydsl_indexer.kernels import explicit_split_kv
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILTIN_CSV = Path(tuning.BUILTIN.path())
+# The data rows of aiter's table at 39029932, read side by side (tests/test_builtin_table.py pins them).
+SOURCE_ROWS = 72
+
+
+def builtin_rows() -> list[dict[str, str]]:
+    lines = [line for line in BUILTIN_CSV.read_text().splitlines(keepends=True) if not line.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def test_the_builtin_table_is_aiters_rows_unchanged_with_its_provenance():
+    text = BUILTIN_CSV.read_text()
+    comments = [line for line in text.splitlines() if line.startswith("#")]
+    data = "".join(line for line in text.splitlines(keepends=True) if not line.startswith("#"))
+    checksum = (BUILTIN_CSV.parent / Path(tuning.BUILTIN.checksum).name).read_text().strip()
+    assert hashlib.sha256(data.encode()).hexdigest() == checksum
+    header = "\n".join(comments)
+    assert tuning.BUILTIN.revision in header and "MI355X" in header and "AMD's measurements" in header
+    assert "aiter/configs/paged_mqa_logits_tuned.csv" in header
+    # The one validator reads it whole: every row valid, all of gfx950 and 256 CUs.
+    table = tuning.read(str(BUILTIN_CSV), "gfx950")
+    assert table.rows == SOURCE_ROWS and table.cu_counts() == {256}
+
+
+def test_the_builtin_table_is_in_the_wheel(tmp_path):
+    """``pip install .`` (a wheel), not only an editable install, carries the table and its checksum."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (wheel,) = tmp_path.glob("vllm_flydsl_indexer-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    for resource in (tuning.BUILTIN.resource, tuning.BUILTIN.checksum):
+        assert f"vllm_flydsl_indexer/{resource}" in names, names
+
+
+@pytest.fixture
+def gfx950_at(target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log):
+    """Register on the simulated gfx950 GPU of ``cus`` CUs with aiter's ``flydsl`` kernel found."""
+
+    def install(flydsl: str = "gfx950", cus: int = 256, tuned_csv: str | None = None):
+        aiter_as(flydsl=flydsl)
+        monkeypatch.setattr(kernels, "_device_cu_count", lambda device_type, index: cus)
+        monkeypatch.setattr(tuning, "_aiter_table", lambda: None)  # the double ships no table
+        monkeypatch.setenv(envs.SWITCH, "1")
+        if tuned_csv is None:
+            monkeypatch.delenv(envs.TUNED_CSV, raising=False)
+        else:
+            monkeypatch.setenv(envs.TUNED_CSV, tuned_csv)
+        fresh_register()
+        installed = patch.installed()
+        assert installed is not None, [r.getMessage() for r in plugin_log]
+        assert installed.router.variant.name == flydsl
+        return installed
+
+    return install
+
+
+def split_kv(batch: int, max_model_len: int, wg_per_cu: int) -> int:
+    return explicit_split_kv(256, batch, max_model_len, 64, wg_per_cu)
+
+
+def test_builtin_table_routes_each_batch_as_amd_measured(target, gfx950_at, aiter_calls, plugin_log):
+    installed = gfx950_at()
+    assert installed.router.table.origin == "built-in"
+    active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
+    assert len(active) == 1 and "per shape: built-in table (aiter 39029932" in active[0], active
+
+    # Batch 1, next_n 1: AMD measured Gluon faster (3.80 us against 4.68 us): stock, naming the table.
+    assert run_batch(target, installed, aiter_calls, 1) == ["gluon"]
+    reasons = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
+    assert any(
+        "built-in table (aiter 39029932, AMD's MI355X measurements), batch >= 1" in m
+        and "measured stock (Gluon) faster" in m
+        for m in reasons
+    ), reasons
+
+    # Batch 64, next_n 1: FlyDSL with wg_per_cu 3; batch 100 follows the batch-64 row.
+    for batch in (64, 100):
+        assert launched(target, installed, aiter_calls, batch, 1, wg_per_cu=3, other=2)
+
+    # Batch 256, next_n 8: FlyDSL with wg_per_cu 2.
+    assert launched(target, installed, aiter_calls, 256, 8, wg_per_cu=2, other=3)
+
+    # Batch 16, next_n 8: Gluon measured faster.
+    assert run_batch(target, installed, aiter_calls, 16, next_n=8) == ["gluon"]
+
+
+def launched(target, installed, calls, batch, next_n, wg_per_cu, other) -> bool:
+    """The call took FlyDSL with the SplitKV of ``wg_per_cu``, which differs from ``other``'s here."""
+    p = batch_problem(batch, next_n, min_len=600 if next_n == 1 else 150)
+    arms = run_problem(target, installed, calls, p)
+    assert arms == ["flydsl-gfx950"], arms
+    (_, kwargs), *_ = calls
+    expected = split_kv(batch, p.max_model_len, wg_per_cu)
+    assert expected != split_kv(batch, p.max_model_len, other), "the problem cannot tell the knobs apart"
+    return kwargs["SplitKV"] == expected
+
+
+@pytest.mark.parametrize("flydsl", ["gfx950-early", "general"])
+def test_other_kernels_get_no_builtin_table(target, gfx950_at, aiter_calls, plugin_log, flydsl):
+    """Measured on the gfx950 kernel only: elsewhere FlyDSL wherever eligible, and the log says why."""
+    installed = gfx950_at(flydsl=flydsl)
+    assert installed.router.table is None
+    active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
+    assert len(active) == 1 and f"no measurement for the {flydsl} FlyDSL kernel" in active[0], active
+    assert "bench --tune" in active[0]
+    assert run_batch(target, installed, aiter_calls, 1) == [f"flydsl-{flydsl}".replace("-general", "")]
+
+
+def test_none_turns_every_table_off(target, gfx950_at, aiter_calls, plugin_log):
+    installed = gfx950_at(tuned_csv="None")
+    assert installed.router.table is None
+    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
+    active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
+    assert f"({envs.TUNED_CSV}=none): FlyDSL wherever eligible" in active[0]
+    assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
+
+
+def test_an_explicit_table_replaces_the_builtin_one_never_merged(target, gfx950_at, aiter_calls, tmp_path):
+    path = tmp_path / "mine.csv"
+    # Mine: FlyDSL at batch 1, next_n 1 (the built-in table says Gluon there); nothing for next_n 2.
+    path.write_text(table_text(row(cu=256, batch=1, next_n=1, backend="flydsl", wg=1)))
+    installed = gfx950_at(tuned_csv=str(path))
+    assert installed.router.table.origin == "env" and installed.router.table.source == str(path)
+    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
+    # Batch 4, next_n 2: built-in says Gluon; mine does not cover it, so the switch's meaning: FlyDSL.
+    assert run_batch(target, installed, aiter_calls, 4, next_n=2) == ["flydsl-gfx950"]
+
+
+def test_a_bad_explicit_table_is_ignored_whole_not_replaced_by_the_builtin(
+    target, gfx950_at, aiter_calls, plugin_log, tmp_path
+):
+    path = tmp_path / "bad.csv"
+    path.write_text(table_text(row(cu=256, batch=1, backend="nope")))
+    installed = gfx950_at(tuned_csv=str(path))
+    assert installed.router.table is None
+    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert any("tuned table ignored" in w and "bad.csv" in w for w in warnings), warnings
+
+
+def test_another_cu_count_keeps_flydsl_wherever_eligible_with_one_info(
+    target, gfx950_at, aiter_calls, plugin_log
+):
+    installed = gfx950_at(cus=304)
+    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
+    assert run_batch(target, installed, aiter_calls, 2) == ["flydsl-gfx950"]
+    dropped = [r for r in plugin_log if "none for this GPU's 304 CUs" in r.getMessage()]
+    assert len(dropped) == 1 and dropped[0].levelno == logging.INFO
+    assert "built-in table" in dropped[0].getMessage()
+
+
+def test_precedence_variable_then_aiters_table_then_builtin_then_none(monkeypatch, tmp_path):
+    shipped = str(tmp_path / "aiter_shipped.csv")
+    monkeypatch.setattr(tuning, "_aiter_table", lambda: shipped)
+    assert tuning.table_source("/mine.csv", "gfx950").path == "/mine.csv"
+    assert tuning.table_source(" NONE ", "gfx950").path is None
+    assert tuning.table_source(None, "gfx950").path == shipped
+    assert tuning.table_source(None, "general").path == shipped
+    monkeypatch.setattr(tuning, "_aiter_table", lambda: None)
+    assert tuning.table_source(None, "gfx950").origin == "built-in"
+    assert tuning.table_source("", "gfx950").origin == "built-in"
+    for variant in ("gfx950-early", "general", "dispatcher", None):
+        assert tuning.table_source(None, variant).origin == "none"
+
+
+def test_a_gfx_cell_with_target_features_matches_its_arch():
+    """torch reports ``gfx950:sramecc+:xnack-``; such a row is a gfx950 row."""
+    text = table_text(row(gfx="gfx950:sramecc+:xnack-", cu=256, batch=8, backend="gluon"))
+    table = tuning.parse(text.splitlines(keepends=True), "t.csv", "gfx950")
+    assert table.rows == 1 and table.choice(256, 8, 1, 32, 128, 64).backend == "gluon"
+
+
+def doctor_json(**env: str) -> dict:
+    import json
+
+    from conftest import simulation_env
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_flydsl_indexer", "doctor", "--json"],
+        env=simulation_env(**{envs.SWITCH: "1", **env}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_doctor_reports_the_builtin_table_and_its_arm_for_all_72_rows():
+    data = doctor_json(AITER_DOUBLE_FLYDSL="gfx950")
+    table = data["tuned_table"]
+    assert table["origin"] == "built-in" and table["source"] == tuning.BUILTIN.label
+    assert "no GPU here" in table["applies"] and "256" in table["applies"]
+    assert "per shape: built-in table (aiter 39029932" in data["log_line"]
+    arms = {
+        (shape["cu_num"], shape["next_n"], bucket["batch_at_least"]): bucket["arm"]
+        for shape in table["shapes"]
+        for bucket in shape["buckets"]
+    }
+    expected = {
+        (int(r["cu_num"]), int(r["next_n"]), int(r["batch_size"])): "flydsl"
+        if r["backend"] == "flydsl"
+        else "stock"
+        for r in builtin_rows()
+    }
+    assert len(expected) == SOURCE_ROWS and arms == expected
+
+
+@pytest.mark.parametrize(
+    ("flydsl", "variable", "origin", "words"),
+    [
+        ("gfx950-early", None, "none", "no measurement for the gfx950-early FlyDSL kernel"),
+        ("general", None, "none", "no measurement for the general FlyDSL kernel"),
+        ("gfx950", "none", "off", f"({envs.TUNED_CSV}=none)"),
+    ],
+)
+def test_doctor_names_why_no_table_is_in_use(aiter_as, monkeypatch, flydsl, variable, origin, words):
+    from vllm_flydsl_indexer.tools import doctor
+
+    aiter_as(flydsl=flydsl)
+    monkeypatch.setattr(tuning, "_aiter_table", lambda: None)
+    environ = {
+        envs.SWITCH: "1",
+        "VLLM_ROCM_USE_AITER": "1",
+        **({envs.TUNED_CSV: variable} if variable else {}),
+    }
+    data = doctor.report(environ)
+    assert data["kernel"]["variant"] == flydsl and data["arm"] == "flydsl"
+    table = data["tuned_table"]
+    assert table["origin"] == origin and table["source"] is None and words in table["note"]
+    assert words in data["log_line"] and words in doctor.render(data)
+    if origin == "none":
+        assert "bench --tune" in table["note"]
