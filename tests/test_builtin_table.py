@@ -262,3 +262,32 @@ def test_doctor_names_why_no_table_is_in_use(aiter_as, monkeypatch, flydsl, vari
     assert words in data["log_line"] and words in doctor.render(data)
     if origin == "none":
         assert "bench --tune" in table["note"]
+
+
+def test_the_committed_routing_result_is_what_this_code_routes(tmp_path):
+    """benchmarks/table_routing.py replayed now equals its committed result, which beats both policies."""
+    import json
+
+    from conftest import simulation_env
+
+    committed = json.loads(
+        (ROOT / "benchmarks/results/2026-12-05-table-routing/builtin_table_routing.json").read_text()
+    )
+    out = tmp_path / "now.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "table_routing.py"), "--json", str(out)],
+        env=simulation_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    now = json.loads(out.read_text())
+    assert now == committed
+    summary = now["summary"]
+    assert summary["router+table"]["geomean"] >= 1.03 and summary["router+table"]["worst"] >= 1.0
+    assert summary["flydsl-everywhere"]["geomean"] == pytest.approx(0.959, abs=5e-4)
+    assert summary["stock"]["geomean"] == 1.0
+    # The router with the table takes FlyDSL exactly where AMD's row says flydsl.
+    assert all((s["router+table"]["arm"] == "flydsl") == (s["backend"] == "flydsl") for s in now["shapes"])
+    assert all(s["flydsl-everywhere"]["arm"] == "flydsl" for s in now["shapes"])
