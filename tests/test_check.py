@@ -22,7 +22,7 @@ from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
 # 23 model and bounds cases, 11 router-behaviour cases for each of 3 APIs, 3 agreement self-tests.
-ALL_PASS = "59 passed, 0 failed"
+ALL_PASS = "62 passed, 0 failed"
 
 
 def run_check(capsys, argv=SMALL) -> tuple[int, str]:
@@ -178,6 +178,11 @@ MUTATIONS = {
         "cus, batch, max_model_len, block_size, wg_per_cu or self.split_kv_workgroups_per_cu",
         "cus, batch, max_model_len, block_size, self.split_kv_workgroups_per_cu",
         "tuned table",
+    ),
+    "a tuned row's backend read inverted": (
+        'if any(backend != "flydsl" for backend, _ in measured):',
+        'if any(backend == "flydsl" for backend, _ in measured):',
+        "built-in table (AMD's MI355X rows)",
     ),
     "another gfx's table rows read": (
         "            if row.gfx != gfx:\n                continue\n",

@@ -111,7 +111,7 @@ def test_check_puts_the_found_api_first(aiter_as, target, workspace, capsys):
     assert "model and bounds cases, as the gfx950 API (its reference contract)" in out
     assert "\nas the gfx950 API (found)\n" in out
     assert out.index("as the gfx950 API (found)") < out.index("as the other APIs the plugin knows")
-    assert lines[-1] == "59 passed, 0 failed (reference contracts, not the real kernels)"
+    assert lines[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"
 
 
 def test_check_passes_on_a_device_with_many_cus(monkeypatch, target, workspace, capsys):
@@ -125,4 +125,4 @@ def test_check_passes_on_a_device_with_many_cus(monkeypatch, target, workspace, 
     rc = cli.main(["check", "--batch", "4", "--context-len", "320", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0, [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert out.splitlines()[-1].startswith("59 passed, 0 failed")
+    assert out.splitlines()[-1].startswith("62 passed, 0 failed")

@@ -125,8 +125,8 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
         "no-vllm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM unavailable",
     }[machine]
     assert stock in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "59 passed, 0 failed (reference contracts, not the real kernels)"
-    assert proc.stdout.count("PASS") == 59
+    assert proc.stdout.splitlines()[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"
+    assert proc.stdout.count("PASS") == 62
     assert "router behaviour: " in proc.stdout and "even where real kernels exist" in proc.stdout
     assert "check [" in proc.stderr  # progress bar
 

@@ -20,6 +20,8 @@ wrapper does for what it refuses.
   with meta tensors (no launch, no 2 GiB allocated).
 * **tuned table**: next_n 1 and 2 rows, several batch buckets, rows of another
   gfx, and FlyDSL rows whose ``wg_per_cu`` sets SplitKV.
+* **built-in table**: the built-in table's rows (AMD's MI355X buckets and knobs,
+  next_n up to 8, wg_per_cu 2 and 3) re-keyed to the case's GPU and shape.
 * **verify-on-enable canary**: arms agree; a FlyDSL arm that negates every
   value; one that leaves one read column unwritten.
 * **FlyDSL kernel raises**: from its second paged launch on.
@@ -182,7 +184,7 @@ class Behaviour:
     steps: tuple[Step, ...]
     fault: str | None = None  # of the FlyDSL arm: "wrong", "unwritten" or "raises"
     canary: bool = False
-    table: bool = False
+    table: str = ""  # "check": check's in-memory table; "built-in": the built-in table's rows
     plain_stock: bool = False  # stock's hooks read every cache without Preshuffle
     shapes_only: bool = False  # the router's verdict on meta tensors; nothing launched
 
@@ -240,7 +242,18 @@ BEHAVIOURS = (
             Step(2, 64, STOCK, 0, next_n=2),
             Step(2, 1, FLYDSL, 1),
         ),
-        table=True,
+        table="check",
+    ),
+    Behaviour(
+        "built-in table (AMD's MI355X rows)",
+        (
+            Step(1, 64, STOCK, 0),  # batch 1, next_n 1: Gluon measured faster
+            Step(64, 64, FLYDSL, 1, wg=3),  # batch 64, next_n 1: FlyDSL at wg_per_cu 3
+            Step(128, 64, STOCK, 0),
+            Step(16, 64, STOCK, 0, next_n=8),
+            Step(32, 64, FLYDSL, 1, next_n=8, wg=2),  # batch 32, next_n 8: FlyDSL at wg_per_cu 2
+        ),
+        table="built-in",
     ),
     Behaviour(
         "verify-on-enable canary, arms agree",
@@ -342,6 +355,19 @@ def tuned_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
         )
         writer.writerow(dict(zip(AITER_COLUMNS, values, strict=True)))
     return tuning.parse(io.StringIO(text.getvalue()), TABLE_SOURCE, TABLE_GFX)
+
+
+def builtin_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
+    """The built-in table's rows, every cell as AMD measured it but the GPU (``gfx``, ``cu_num``) and
+    the shape (``heads``, ``head_dim``): this case's, so its buckets and knobs decide here."""
+    with open(tuning.BUILTIN.path(), encoding="utf-8", newline="") as f:
+        rows = tuning.read_rows(f, tuning.BUILTIN.label)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=AITER_COLUMNS)
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({**row.text, "gfx": TABLE_GFX, "cu_num": cus, "heads": heads, "head_dim": head_dim})
+    return tuning.parse(io.StringIO(text.getvalue()), tuning.BUILTIN.label, TABLE_GFX)
 
 
 class Problems:
@@ -469,7 +495,8 @@ def _run(
 
     cus = cu_count(device)
     heads, head_dim = problems.heads, problems.head_dim
-    table = tuned_table(cus, heads, head_dim) if behaviour.table else None
+    tables = {"check": tuned_table, "built-in": builtin_table}
+    table = tables[behaviour.table](cus, heads, head_dim) if behaviour.table else None
     hooks = mirror_hooks(workspace)
     if behaviour.plain_stock:
         hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
