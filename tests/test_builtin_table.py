@@ -291,3 +291,33 @@ def test_the_committed_routing_result_is_what_this_code_routes(tmp_path):
     # The router with the table takes FlyDSL exactly where AMD's row says flydsl.
     assert all((s["router+table"]["arm"] == "flydsl") == (s["backend"] == "flydsl") for s in now["shapes"])
     assert all(s["flydsl-everywhere"]["arm"] == "flydsl" for s in now["shapes"])
+
+
+def test_the_readmes_speed_grid_and_summary_are_the_builtin_tables():
+    import json
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    grid = {}
+    header = re.search(r"^\| next_n \\\\? batch \|(.*)\|$", readme, re.M)
+    assert header, "the README's speed grid is missing"
+    batches = [int(b) for b in header.group(1).split("|")]
+    for line in re.findall(r"^\| (\d) \|(.*)\|$", readme, re.M):
+        next_n, cells = int(line[0]), [c.strip() for c in line[1].split("|")]
+        for batch, cell in zip(batches, cells, strict=True):
+            grid[(next_n, batch)] = cell
+    expected = {}
+    for r in builtin_rows():
+        ratio = float(r["gluon_us"]) / float(r["flydsl_us"])
+        text = f"{ratio:.2f}"
+        expected[(int(r["next_n"]), int(r["batch_size"]))] = f"**{text}**" if ratio > 1 else text
+    assert grid == expected
+    summary = json.loads(
+        (ROOT / "benchmarks/results/2026-12-05-table-routing/builtin_table_routing.json").read_text()
+    )["summary"]
+    assert f"{summary['router+table']['geomean']:.3f}x of Gluon's speed" in readme
+    assert f"would give {summary['flydsl-everywhere']['geomean']:.3f}x" in readme
+    assert (
+        f"FlyDSL only where AMD measured it faster ({summary['router+table']['flydsl_shapes']} of the 72"
+        in readme
+    )
