@@ -615,8 +615,8 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    # 9 cases, then the 11 router-behaviour cases of each of 3 APIs, then 3 agreement self-tests.
-    assert len(rows) == 9 + 33 + 3 and all(r.endswith("PASS") for r in rows), out
+    # 9 cases, then the 12 router-behaviour cases of each of 3 APIs, then 3 agreement self-tests.
+    assert len(rows) == 9 + 36 + 3 and all(r.endswith("PASS") for r in rows), out
     assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
     notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
     assert len(notes) == 1 and "the 7 bounds cases of MTP (next_n > 1) were not run" in notes[0]
