@@ -283,7 +283,7 @@ def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, 
     monkeypatch.setattr(target, "_ON_GFX950", False)
     rc, out = run_check(capsys)
     assert rc == 0, out
-    assert "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950" in out
+    assert "stock:   this package's stock copy of vLLM's gfx950 branches (vLLM does not report gfx950" in out
     assert ALL_PASS in out
 
 
