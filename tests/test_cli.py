@@ -124,7 +124,7 @@ def test_doctor_without_vllm():
     env = no_vllm_env(**{envs.SWITCH: "1"})
     text = cli(["doctor"], env)
     assert text.returncode == 0, text.stderr[-2000:]
-    assert "\narm:      stock (vLLM not installed)  (gate 2, vllm, above)\n" in text.stdout
+    assert "\narm:      stock (vLLM not installed)  (gate 3, vllm, above)\n" in text.stdout
     assert "(FlyDSL inactive: vLLM is not installed)" in text.stdout and "Gluon" not in text.stdout
     data = json.loads(cli(["doctor", "--json"], env).stdout)
     assert data["versions"]["vllm"] == "not installed"
