@@ -304,6 +304,14 @@ def test_vllm_that_declares_the_switch_routes_itself(
         "the plugin patches nothing"
     ]
     assert plugin_log[0].levelno == logging.INFO
+    # doctor says the same.
+    from vllm_flydsl_indexer.tools import doctor
+
+    data = doctor.report({envs.SWITCH: "1"})
+    assert data["arm"] == "vllm" and data["log_line"] == msgs[0]
+    text = doctor.render(data)
+    assert "  2. in-tree FAIL vllm.envs declares" in text
+    assert "arm:      vLLM's own route (the plugin patches nothing)" in text
 
 
 def test_target_that_calls_flydsl_routes_itself(
