@@ -126,6 +126,8 @@ class FlyDSLRouter:
         self.is_capturing = is_capturing
         self.compiled: set[KernelConfig] = set()
         self.failed: dict[KernelConfig, str] = {}
+        # Why the kernel rejected a call's arguments (ARGUMENT_ERRORS), one entry per rejected route.
+        self.rejected: list[str] = []
         self._routes: dict[tuple, Route] = {}
         self.disabled_reason: str | None = None
         self.calls_taken = 0
@@ -288,7 +290,7 @@ class FlyDSLRouter:
             _, next_n, heads, head_dim = q_fp8.shape
             config = KernelConfig(heads, head_dim, kv_cache.shape[1], next_n)
             self.failed[config] = f"{reason} (for {config.describe()}, earlier)"
-            self._routes.clear()  # every memoised route of this configuration now says stock
+            self._routes.clear()  # no memoised route of this configuration launches again
         if len(self._routes) < MAX_MEMOISED_VERDICTS:
             self._routes[key] = Route(reason)
         self.logger.error(
@@ -305,6 +307,7 @@ class FlyDSLRouter:
         if isinstance(error, ARGUMENT_ERRORS):
             # The wrapper's argument check refused this call: only its signature's route stays stock.
             route.reason = f"FlyDSL rejected this call's arguments earlier ({type(error).__name__}: {error})"
+            self.rejected.append(route.reason)
             route.ready = False
             log_once(
                 self.logger,
