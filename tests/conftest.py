@@ -167,10 +167,15 @@ def aiter_calls():
 @pytest.fixture
 def fresh_register(monkeypatch):
     """``register()`` as in a fresh process; the patch is undone afterwards."""
+    import vllm.envs
+
     import vllm_flydsl_indexer
     from vllm_flydsl_indexer import patch
 
     monkeypatch.setattr(vllm_flydsl_indexer, "_registered", False)
+    # What register() may add to vllm.envs is undone too.
+    monkeypatch.setattr(vllm.envs, "environment_variables", dict(vllm.envs.environment_variables))
+    monkeypatch.setattr(vllm.envs, "compile_factors", vllm.envs.compile_factors)
     yield vllm_flydsl_indexer.register
     patch.uninstall()
 
@@ -204,11 +209,24 @@ def plugin_log():
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    _seen.clear()
+    forget_once(_seen)
     yield records
     logger.removeHandler(handler)
     logger.setLevel(old_level)
-    _seen.clear()
+    forget_once(_seen)
+
+
+def forget_once(seen: set) -> None:
+    """Forget what was logged once: the plugin's fallback set and vLLM's ``*_once`` caches."""
+    seen.clear()
+    try:
+        import vllm.logger as vllm_logger
+    except ImportError:
+        return
+    for name in ("debug", "info", "warning", "error"):
+        cached = getattr(vllm_logger, f"_print_{name}_once", None)
+        if cached is not None:
+            cached.cache_clear()
 
 
 # The router on its own (no vLLM): what tests that build a router by hand share.

@@ -33,7 +33,8 @@ def no_vllm_env(**extra):
     return env
 
 
-GATE_NAMES = ["switch", "vllm", "rocm", "gfx950", "kernel", "target"]
+STOCK_COPY = "stock:   this package's stock copy of vLLM's gfx950 branches"
+GATE_NAMES = ["switch", "in-tree", "vllm", "rocm", "gfx950", "aiter", "kernel", "target"]
 
 
 def test_doctor_on_simulated_gfx950_reports_flydsl_and_strict_passes():
@@ -62,7 +63,7 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
         "error": data["switch"]["error"],
     }
     assert "1/0/true/false" in data["switch"]["error"]
-    assert [g["ok"] for g in data["gates"]] == [False, True, True, True, True, True]
+    assert [g["ok"] for g in data["gates"]] == [False, True, True, True, True, True, True, True]
     strict = cli(["doctor", "--strict"], env)
     assert strict.returncode == 1 and "would not be active" in strict.stderr
     text = cli(["doctor"], env).stdout
@@ -74,18 +75,40 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
 
 
+def test_doctor_names_the_aiter_gate_and_imports_no_aiter():
+    env = simulation_env(**{envs.SWITCH: "1", "VLLM_ROCM_USE_AITER": "0"})
+    data = json.loads(cli(["doctor", "--json"], env).stdout)
+    gates = {g["name"]: g for g in data["gates"]}
+    assert not gates["aiter"]["ok"] and not gates["aiter"]["skipped"]
+    assert (
+        data["reason"]
+        == gates["aiter"]["detail"]
+        == "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter"
+    )
+    assert (
+        gates["kernel"]["skipped"]
+        and gates["kernel"]["detail"] == "aiter not imported (the aiter gate failed)"
+    )
+    assert data["arm"] == "stock"
+
+
 def test_doctor_with_vllm_but_not_rocm():
     env = simulation_env(rocm=False, aiter=False, **{envs.SWITCH: "1"})
     data = json.loads(cli(["doctor", "--json"], env).stdout)
     assert data["arm"] == "stock"
     assert data["reason"].startswith("not ROCm")
     assert data["platform"]["gcn_arch"] is None
-    gfx950 = data["gates"][3]
-    assert gfx950["name"] == "gfx950" and gfx950["skipped"] and not gfx950["ok"]
-    assert not any(g["skipped"] for g in data["gates"][:3] + data["gates"][4:])
+    skipped = {g["name"]: g["detail"] for g in data["gates"] if g["skipped"]}
+    # aiter is not imported where vLLM would not import it: the kernel probe names the gate that stopped it.
+    assert skipped == {
+        "gfx950": "vLLM reads the arch only on ROCm",
+        "aiter": "not on gfx950",
+        "kernel": "aiter not imported (the rocm gate failed)",
+    }
+    assert not any(g["ok"] for g in data["gates"] if g["skipped"])
     text = cli(["doctor"], env)
     assert text.returncode == 0
-    assert "  4. gfx950  skipped (vLLM reads the arch only on ROCm)" in text.stdout
+    assert "  5. gfx950  skipped (vLLM reads the arch only on ROCm)" in text.stdout
     assert "FAIL not checked" not in text.stdout
     # Stock here is vLLM's path for this platform, not Gluon.
     assert data["stock"].startswith("not a ROCm gfx950 GPU")
@@ -101,7 +124,7 @@ def test_doctor_without_vllm():
     env = no_vllm_env(**{envs.SWITCH: "1"})
     text = cli(["doctor"], env)
     assert text.returncode == 0, text.stderr[-2000:]
-    assert "\narm:      stock (vLLM not installed)  (gate 2, vllm, above)\n" in text.stdout
+    assert "\narm:      stock (vLLM not installed)  (gate 3, vllm, above)\n" in text.stdout
     assert "(FlyDSL inactive: vLLM is not installed)" in text.stdout and "Gluon" not in text.stdout
     data = json.loads(cli(["doctor", "--json"], env).stdout)
     assert data["versions"]["vllm"] == "not installed"
@@ -121,8 +144,8 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
     assert "reference contracts (pure torch; NOT the real kernels)" in proc.stdout
     stock = {
         "gfx950-sim": "stock:   vLLM's own vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa",
-        "no-rocm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM does not report gfx950",
-        "no-vllm": "stock:   the mirror of vLLM 0.33.0's gfx950 branches (vLLM unavailable",
+        "no-rocm": f"{STOCK_COPY} (vLLM does not report gfx950",
+        "no-vllm": f"{STOCK_COPY} (vLLM unavailable",
     }[machine]
     assert stock in proc.stdout
     assert proc.stdout.splitlines()[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"

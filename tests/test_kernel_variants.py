@@ -232,8 +232,9 @@ def expected_arms(variant: str, heads: int, kvb: int, batch: int) -> list[str]:
         return ["flydsl-gfx950"] if (heads, kvb) == (32, 64) else ["gluon"]
     if variant == "gfx950-early":
         return ["flydsl-gfx950-early"] if kvb == 64 else ["gluon"]
-    backend = "flydsl" if (heads, kvb) == (32, 64) and batch >= 64 else "gluon"
-    return ["dispatcher", backend]
+    # The dispatcher is handed only the calls its table sends to FlyDSL; where it picks Gluon (with
+    # its own ChunkK/WavePerEU), vLLM's original makes its own Gluon call.
+    return ["dispatcher", "flydsl"] if (heads, kvb) == (32, 64) and batch >= 64 else ["gluon"]
 
 
 @pytest.mark.parametrize(
@@ -359,11 +360,20 @@ def test_a_raising_kernel_never_reaches_vllm(
         out = site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
         assert compare_in_windows(stock, out, read_window_ends(p.context_lens, 4, 2)).ok(0)
         assert [a for a, _ in aiter_calls] == ["gluon"]
-    assert raised == [1], "the failed configuration must stay on stock for good"
+    assert raised == [1], "the failed call signature must stay on stock for good"
     errors = [r.getMessage() for r in plugin_log if r.levelno == logging.ERROR]
     assert len(errors) == 1
     assert "heads=64 head_dim=128 KVBlockSize=64 next_n=2" in errors[0]
-    assert f"raised {type(error).__name__}: {error} (flydsl {flydsl}, aiter {aiter})." in errors[0]
+    # An argument check rejects only that call signature; any other exception, the configuration.
+    scoped = isinstance(error, router_module.ARGUMENT_ERRORS)
+    head = "rejected a call's arguments:" if scoped else "raised"
+    assert f"{head} {type(error).__name__}: {error} (flydsl {flydsl}, aiter {aiter})." in errors[0]
+    other_batch = make_paged_problem(
+        [150, 9, 30], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True
+    )
+    poison_workspace(6, other_batch.max_model_len)
+    site(target.rocm_fp8_paged_mqa_logits, other_batch.call_args(), {"compress_ratio": 1})
+    assert raised == ([1, 1] if scoped else [1])
     versions.clear()
     assert router_module._stack_versions.__wrapped__() == "flydsl unknown, aiter unknown"
     # Another configuration still runs FlyDSL.

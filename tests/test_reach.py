@@ -42,6 +42,9 @@ FIRST_REASON = {
 }
 
 
+V41_OPS = "vllm.models.deepseek_v41.amd.ops.sparse_indexer"
+
+
 def source(relative: str) -> str:
     path = vllm_root() / relative
     if not path.is_file():
@@ -211,9 +214,30 @@ def test_pinned_ratios_block_sizes_and_heads_match_vllm():
     assert indexer.DeepseekV41IndexerBackend.get_supported_kernel_block_sizes() == [64]
     assert reach.MODELS["deepseek_v41"].block_sizes == tuple(64 // r for r in (1, 2))
     assert reach.MODELS["deepseek_v41"].compress_ratios == (1, 2)
-    for model_type in ("deepseek_v32", "glm_moe_dsa"):
+    for model_type in ("deepseek_v32", "glm_moe_dsa", "deepseek_v41"):
         assert reach.MODELS[model_type].call_site == DEFINING_MODULE
+    for model_type in ("deepseek_v32", "glm_moe_dsa"):
         assert reach.MODELS[model_type].compress_ratios == (1,)
+
+
+def test_deepseek_v41_reaches_the_target_through_vllms_indexer_on_gfx950():
+    """V4.1's AMD ops layer (which calls the target in _decode_step) is taken only with --monokernel
+    on gfx942; elsewhere its FP8 indexer is vLLM's, whose op is rocm_aiter_sparse_attn_indexer."""
+    if not (vllm_root() / "models/deepseek_v41/amd/rocm.py").is_file():
+        pytest.skip(f"vLLM {VLLM} has no DeepSeek-V4.1 AMD module")
+    rocm = source("models/deepseek_v41/amd/rocm.py")
+    tree = ast.parse(rocm)
+    gate = ast.get_source_segment(rocm, function(tree, "_gfx942_monokernel"))
+    assert "kernel_config.monokernel) and on_gfx942()" in gate
+    klass = next(
+        n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepseekV41ROCMAiterMLAAttention"
+    )
+    choice = ast.get_source_segment(
+        rocm, next(n for n in klass.body if getattr(n, "name", "") == "_indexer_cls")
+    )
+    assert "if _gfx942_monokernel():\n            return DeepseekV41Gfx942Indexer" in choice
+    assert "attn_cls = Gfx942SparseAttnIndexer" in rocm
+    assert "calls it only with --monokernel on gfx942" in CALL_SITES[V41_OPS].note
 
 
 def test_mxfp4_default_is_read_from_vllm():

@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import logging
+import os
+import random
 
 import pytest
 
@@ -93,7 +96,7 @@ def test_switch_off_patches_nothing(target, original, monkeypatch, fresh_registe
     )
     assert lines(plugin_log) == [f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {reason})"]
     assert "is not set to 1" not in lines(plugin_log)[0]  # "true" enables it too
-    assert plugin_log[0].levelno == logging.INFO  # nobody asked for FlyDSL
+    assert plugin_log[0].levelno == logging.DEBUG  # nobody asked for FlyDSL: quiet
 
 
 @pytest.mark.parametrize("value", ["1", "TRUE", "True", "true"])
@@ -131,6 +134,20 @@ def _fail_gate(monkeypatch, gate):
         monkeypatch.setattr(rocm, "_ON_GFX950", False)
         monkeypatch.setattr(rocm, "_GCN_ARCH", "gfx942:sramecc+:xnack-")
         return "not gfx950 (vLLM reports gfx942"
+    if gate == "aiter":
+        import vllm.envs
+
+        monkeypatch.setenv("VLLM_ROCM_USE_AITER", "0")
+        vllm.envs.disable_envs_cache()
+        return "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter"
+    if gate == "aiter-missing":
+        import importlib.util
+
+        real = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, *a: None if name == "aiter" else real(name, *a)
+        )
+        return "aiter is not installed (importlib.util.find_spec('aiter') is None)"
     if gate == "kernel":
         monkeypatch.setattr(identification, "KERNEL_MODULES", ("aiter.ops.flydsl_missing",))
         return "aiter.ops.flydsl_missing: ModuleNotFoundError"
@@ -156,7 +173,7 @@ def _fail_gate(monkeypatch, gate):
     raise AssertionError(gate)
 
 
-@pytest.mark.parametrize("gate", ["version", "rocm", "gfx950", "kernel", "target"])
+@pytest.mark.parametrize("gate", ["version", "rocm", "gfx950", "aiter", "aiter-missing", "kernel", "target"])
 def test_each_failing_gate_leaves_vllm_untouched(target, monkeypatch, fresh_register, plugin_log, gate):
     monkeypatch.setenv(envs.SWITCH, "1")
     reason = _fail_gate(monkeypatch, gate)
@@ -233,17 +250,97 @@ def test_override_lets_newer_vllm_through_but_signature_still_applies(
     assert reason in lines(plugin_log)[0]
 
 
-def test_environment_variables_are_known_to_vllm(fresh_register, monkeypatch):
+def test_switch_off_leaves_vllm_envs_alone(fresh_register, monkeypatch):
     import vllm.envs
 
     for name in envs.ALL_VARIABLES:
-        monkeypatch.delitem(vllm.envs.environment_variables, name, raising=False)
-    monkeypatch.setenv(envs.SWITCH, "0")
+        monkeypatch.setenv(name, "0")
+    table = dict(vllm.envs.environment_variables)
+    factors = vllm.envs.compile_factors
     fresh_register()
+    assert vllm.envs.environment_variables == table
+    assert vllm.envs.compile_factors is factors
+
+
+def test_switch_on_registers_only_set_variables_and_keeps_them_out_of_the_compile_key(
+    fresh_register, monkeypatch, plugin_log
+):
+    import vllm.envs
+
     for name in envs.ALL_VARIABLES:
-        assert name in vllm.envs.environment_variables
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(envs.SWITCH, "1")
+    monkeypatch.setenv(envs.TUNED_CSV, str(random.random()))
+    vllm.envs.disable_envs_cache()
+    before = vllm.envs.compile_factors()
+    fresh_register()
+    registered = {name for name in envs.ALL_VARIABLES if name in vllm.envs.environment_variables}
+    assert registered == {envs.SWITCH, envs.TUNED_CSV}
     assert vllm.envs.environment_variables[envs.SWITCH]() == "1"
+    # vLLM's validation no longer calls them unknown; its compile cache key is what it was,
+    # and stays so when their values change (none changes a compiled graph).
+    assert vllm.envs.compile_factors() == before
+    monkeypatch.setenv(envs.TUNED_CSV, str(random.random()))
+    assert vllm.envs.compile_factors() == before
+    # A variable vLLM itself hashes still counts.
+    monkeypatch.setenv("VLLM_ROCM_USE_AITER_MLA", "0" if before.get("VLLM_ROCM_USE_AITER_MLA") else "1")
+    assert vllm.envs.compile_factors() != before
+
+
+def test_vllm_that_declares_the_switch_routes_itself(
+    target, original, fresh_register, monkeypatch, plugin_log
+):
+    import vllm.envs
+
+    monkeypatch.setenv(envs.SWITCH, "1")
+    vllm.envs.environment_variables[envs.SWITCH] = lambda: os.environ.get(envs.SWITCH)
+    table = dict(vllm.envs.environment_variables)
+    fresh_register()
+    assert_untouched(target, original)
+    assert vllm.envs.environment_variables == table
+    msgs = lines(plugin_log)
+    assert msgs == [
+        f"vllm-flydsl-indexer: vLLM routes the paged MQA logits itself (vllm.envs declares {envs.SWITCH}); "
+        "the plugin patches nothing"
+    ]
+    assert plugin_log[0].levelno == logging.INFO
+    # doctor says the same.
+    from vllm_flydsl_indexer.tools import doctor
+
+    data = doctor.report({envs.SWITCH: "1"})
+    assert data["arm"] == "vllm" and data["log_line"] == msgs[0]
+    text = doctor.render(data)
+    assert "  2. in-tree FAIL vllm.envs declares" in text
+    assert "arm:      vLLM's own route (the plugin patches nothing)" in text
+
+
+def test_target_that_calls_flydsl_routes_itself(
+    target, original, fresh_register, monkeypatch, plugin_log, tmp_path
+):
+    import importlib.util
+
+    source = inspect.getsource(original).replace("paged_mqa_logits_module()", "flydsl_paged_mqa_logits()", 1)
+    assert "flydsl" in source.lower()
+    fake = tmp_path / "rocm_aiter_mla_sparse.py"
+    fake.write_text(source)
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == target.__name__:
+            return importlib.util.spec_from_file_location(name, fake)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    assert_untouched(target, original)
+    assert lines(plugin_log) == [
+        "vllm-flydsl-indexer: vLLM routes the paged MQA logits itself "
+        f"({target.__name__}.{TARGET} already calls aiter's FlyDSL kernel); the plugin patches nothing"
+    ]
+    # Stock's own source does not: the plugin patches.
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    assert gates.in_tree_route() is None
 
 
 def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, original):
@@ -257,3 +354,30 @@ def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, 
     assert_untouched(target, original)
     msgs = lines(plugin_log)
     assert len(msgs) == 1 and "unexpected RuntimeError during registration: boom" in msgs[0]
+
+
+def test_log_once_uses_vllms_once_methods_where_the_logger_is_vllms(plugin_log, monkeypatch):
+    from vllm_flydsl_indexer._logging import get_logger, log_once
+
+    logger = get_logger()
+    used = []
+    vllm_info_once = vars(logger)["info_once"]
+    monkeypatch.setitem(vars(logger), "info_once", lambda *a, **k: used.append(k) or vllm_info_once(*a, **k))
+    text = f"once {random.random()}"
+    for _ in range(3):
+        log_once(logger, logging.INFO, "%s", text)
+    assert lines(plugin_log) == [text]
+    assert used == [{"scope": "process"}] * 3  # vLLM's method decides; one line per process
+
+
+def test_log_once_falls_back_without_vllms_logger():
+    from vllm_flydsl_indexer._logging import log_once
+
+    records = []
+    logger = logging.getLogger(f"plain.{random.random()}")
+    logger.propagate = False
+    logger.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
+    text = f"once {random.random()}"
+    for _ in range(3):
+        log_once(logger, logging.WARNING, "%s", text)
+    assert [r.getMessage() for r in records] == [text]

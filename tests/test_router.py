@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -10,15 +11,20 @@ import pytest
 import torch
 
 from conftest import (
+    LOGGER,
     OpAudit,
     Recorder,
     as_args,
     base_problem,
     flydsl_double,
+    general_variant,
     hooks,
     router_for,
 )
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
+from vllm_flydsl_indexer.kernels import KernelVariant
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.target import call_key
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 
@@ -46,6 +52,7 @@ def _violations():
         ),
         "weights bf16": as_args(p, weights=w.to(torch.bfloat16)),
         "weights rows": as_args(p, weights=w[:-1]),
+        "weights transposed": as_args(p, weights=w.t().contiguous().t()),
         "ctx int64": as_args(p, context_lens=ctx.long()),
         "ctx rows": as_args(p, context_lens=ctx[:-1]),
         "ctx 3-D": as_args(p, context_lens=ctx.unsqueeze(-1)),
@@ -274,3 +281,121 @@ def test_the_caller_is_part_of_the_memoised_verdict():
     assert router.calls_taken == 1 and len(original.calls) == 3
     assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is not original.marker
     assert router.calls_taken == 2
+
+
+def _transposed(weights: torch.Tensor) -> torch.Tensor:
+    out = weights.t().contiguous().t()
+    assert out.shape == weights.shape and not out.is_contiguous()
+    return out
+
+
+def test_transposed_weights_cost_only_that_call(plugin_log):
+    """aiter's wrappers need contiguous weights: the contract refuses them, and the memo key holds
+    their contiguity, so one such call neither reaches the kernel nor reuses a taken verdict."""
+    p = base_problem()
+    original = Recorder()
+    kernel_calls = []
+
+    def kernel(*a, **k):
+        kernel_calls.append(a[2].is_contiguous())
+        return flydsl_double()(*a, **k)
+
+    router = router_for(original, kernel)
+    call = functools.partial(router.call_from, DEFINING_MODULE)
+    assert call(*as_args(p), compress_ratio=1) is not original.marker
+    assert call(*as_args(p, weights=_transposed(p.weights)), compress_ratio=1) is original.marker
+    assert kernel_calls == [True]
+    assert call(*as_args(p), compress_ratio=1) is not original.marker
+    assert kernel_calls == [True, True] and router.failed == {}
+    assert not [r for r in plugin_log if r.levelno >= logging.ERROR]
+
+
+def _kernel_raising(error: Exception, batch: int):
+    """The FlyDSL double, raising ``error`` for calls of ``batch`` sequences."""
+    calls = []
+
+    def kernel(*a, **k):
+        calls.append(a[0].shape[0])
+        if a[0].shape[0] == batch:
+            raise error
+        return flydsl_double()(*a, **k)
+
+    return kernel, calls
+
+
+def _problem(batch: int, seed: int):
+    lens = torch.randint(2, 200, (batch,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return make_paged_problem(
+        lens,
+        next_n=2,
+        heads=64,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        generator=torch.Generator().manual_seed(seed + 1),
+    )
+
+
+@pytest.mark.parametrize("error", [ValueError("bad SplitKV"), TypeError("bad dtype"), AssertionError("bad")])
+def test_argument_error_rejects_only_that_call_signature(error, plugin_log):
+    kernel, calls = _kernel_raising(error, 3)
+    original = Recorder()
+    router = router_for(original, kernel)
+    call = functools.partial(router.call_from, DEFINING_MODULE)
+    three, four = _problem(3, 11), _problem(4, 12)
+    assert call(*as_args(three), compress_ratio=1) is original.marker
+    assert call(*as_args(three), compress_ratio=1) is original.marker  # memoised: not launched again
+    assert calls == [3]
+    # The same kernel configuration at another batch is still taken.
+    assert call(*as_args(four), compress_ratio=1) is not original.marker
+    assert calls == [3, 4] and router.failed == {} and router.calls_taken == 1
+    errors = [r.getMessage() for r in plugin_log if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "rejected a call's arguments" in errors[0] and str(error) in errors[0]
+
+
+def test_kernel_fault_disables_the_configuration(plugin_log):
+    kernel, calls = _kernel_raising(RuntimeError("HIP launch failure"), 3)
+    original = Recorder()
+    router = router_for(original, kernel)
+    call = functools.partial(router.call_from, DEFINING_MODULE)
+    assert call(*as_args(_problem(3, 21)), compress_ratio=1) is original.marker
+    assert call(*as_args(_problem(4, 22)), compress_ratio=1) is original.marker
+    assert calls == [3] and len(router.failed) == 1 and router.calls_taken == 0
+
+
+class _LaunchKwargsRaise(KernelVariant):
+    def launch_kwargs(self, *args, **kwargs):
+        raise ZeroDivisionError("planted")
+
+
+def test_an_exception_in_the_routers_own_work_returns_stock(plugin_log):
+    """Building a route (rules, the launch's keyword arguments) never lets an exception reach vLLM."""
+    variant = general_variant()
+    broken = _LaunchKwargsRaise(**{f.name: getattr(variant, f.name) for f in dataclasses.fields(variant)})
+    original = Recorder()
+    router = FlyDSLRouter(original, broken, hooks(), LOGGER)
+    call = functools.partial(router.call_from, DEFINING_MODULE)
+    three = _problem(3, 31)
+    assert call(*as_args(three), compress_ratio=1) is original.marker
+    ((args, kwargs),) = original.calls
+    assert all(a is b for a, b in zip(args, as_args(three), strict=True)) and kwargs == {"compress_ratio": 1}
+    # The configuration stays stock: another batch does not build a route again.
+    assert call(*as_args(_problem(4, 32)), compress_ratio=1) is original.marker
+    assert router.calls_taken == 0 and router.calls_delegated == 2 and len(router.failed) == 1
+    errors = [r.getMessage() for r in plugin_log if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "ZeroDivisionError" in errors[0] and "planted" in errors[0]
+
+
+def test_the_device_index_is_part_of_the_memo_key():
+    p = base_problem()
+    args = as_args(p)
+
+    class OnDevice:
+        def __init__(self, tensor, index):
+            self.tensor, self.device = tensor, torch.device("cuda", index)
+
+        def __getattr__(self, name):
+            return getattr(self.tensor, name)
+
+    keys = {call_key((OnDevice(p.q_fp8, i), *args[1:]), 1, DEFINING_MODULE, 1) for i in (0, 1)}
+    assert len(keys) == 2

@@ -5,9 +5,10 @@ vLLM calls :func:`register` (entry point ``vllm.general_plugins:
 flydsl_indexer``) once in every process. It evaluates the gates in
 :mod:`vllm_flydsl_indexer.gates`, installs the patch of
 :mod:`vllm_flydsl_indexer.patch` when all pass, and logs one line saying which
-arm is active and why: INFO when the switch is off or FlyDSL is active,
-WARNING when the switch is on and FlyDSL is not (the user asked for it). It
-never raises: any failure leaves vLLM as it was.
+arm is active and why: DEBUG when the switch is off (and then nothing in vLLM
+changes), INFO when FlyDSL is active or vLLM routes to it itself, WARNING when
+the switch is on and FlyDSL is not (the user asked for it). It never raises:
+any failure leaves vLLM as it was.
 """
 
 from __future__ import annotations
@@ -22,20 +23,40 @@ _registered = False
 
 
 def _register_environment_variables() -> None:
-    """Make vLLM's environment validation know the plugin's variables."""
+    """Tell vLLM's environment validation about the plugin's variables that are set, and only those.
+
+    vLLM hashes every registered variable into its torch.compile cache key
+    (``vllm.envs.compile_factors``), leaving out by name those that cannot change
+    a compiled graph (its ``ignored_factors``). None of the plugin's can (the
+    indexer op is opaque to Dynamo), so ``compile_factors`` is wrapped to leave
+    them out the same way. Called only with the switch on.
+    """
+    import functools
     import os
     import sys
 
     from vllm_flydsl_indexer import envs
 
     vllm_envs = sys.modules.get("vllm.envs")
-    if vllm_envs is None:
-        return
     table = getattr(vllm_envs, "environment_variables", None)
     if not isinstance(table, dict):
         return
-    for name in envs.ALL_VARIABLES:
-        table.setdefault(name, lambda name=name: os.environ.get(name))
+    names = [name for name in envs.ALL_VARIABLES if name in os.environ and name not in table]
+    for name in names:
+        table[name] = envs.getter(name)
+    factors = getattr(vllm_envs, "compile_factors", None)
+    if not names or not callable(factors) or envs.is_own_getter(factors):
+        return
+
+    @functools.wraps(factors)
+    def compile_factors() -> dict[str, object]:
+        hashed = factors()
+        for name in envs.ALL_VARIABLES:
+            if envs.is_own_getter(table.get(name)):
+                hashed.pop(name, None)
+        return hashed
+
+    vllm_envs.compile_factors = envs.mark_own(compile_factors)
 
 
 def register() -> None:
@@ -48,7 +69,6 @@ def register() -> None:
 
     logger = get_logger()
     try:
-        _register_environment_variables()
         _register(logger)
     except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
         logger.warning(
@@ -65,15 +85,21 @@ def _register(logger: logging.Logger) -> None:
 
     switch = envs.read_flag(envs.SWITCH)
     if not switch.enabled:
-        # Off: import nothing more and patch nothing.
+        # Off: import nothing more, change nothing in vLLM, and stay quiet (vLLM's
+        # loader already lists the plugins it loads); a malformed switch is a WARNING.
         reason = envs.off_reason(switch)
-        level = logging.WARNING if switch.error else logging.INFO
+        level = logging.WARNING if switch.error else logging.DEBUG
         logger.log(level, "%s %s)", STOCK_LINE, reason)
         return
 
     from vllm_flydsl_indexer import gates
 
     decision = gates.evaluate()
+    if decision.in_tree:
+        # vLLM declares the switch or routes to FlyDSL itself: it owns the variables and the call.
+        logger.info("%s", decision.log_line())
+        return
+    _register_environment_variables()
     if decision.active:
         from vllm_flydsl_indexer import patch
 

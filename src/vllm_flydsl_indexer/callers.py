@@ -109,6 +109,8 @@ class CallSite:
     # May FlyDSL take next_n > 1 from here (always with compress_ratio == 1, DCP 1)?
     multi_row: bool
     vllm: str
+    # Which models reach it, where that is narrower than the module's name says.
+    note: str = ""
 
 
 _ALL_ARGS = frozenset(TARGET_POSITIONAL)
@@ -137,6 +139,9 @@ CALL_SITES: dict[str, CallSite] = {
             dcp="bounds localised per token when DCP > 1",
             multi_row=True,
             vllm="0.33.0, 0.34.0",
+            note="DeepSeek-V4.1's layer calls it only with --monokernel on gfx942 (models/deepseek_v41/amd/"
+            "rocm.py, _gfx942_monokernel); on gfx950 V4.1 reaches the target through "
+            "rocm_aiter_sparse_attn_indexer",
         ),
         CallSite(
             module="vllm.models.glm5next.amd.sparse_indexer",

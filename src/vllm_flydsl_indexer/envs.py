@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = [
     "ACCEPTED",
@@ -14,6 +16,10 @@ __all__ = [
     "SWITCH",
     "TUNED_CSV",
     "VERIFY",
+    "declared_by_vllm",
+    "getter",
+    "is_own_getter",
+    "mark_own",
     "off_reason",
     "parse_bool",
     "read_flag",
@@ -32,6 +38,11 @@ TUNED_CSV = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
 
 ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY, TUNED_CSV)
 ACCEPTED = ("1", "0", "true", "false")
+
+# Set on the getters this package adds to ``vllm.envs.environment_variables``, so a
+# declaration of the switch by vLLM itself (an in-tree route) is told apart from ours.
+_OWN_GETTER = "_vllm_flydsl_indexer_getter"
+_F = TypeVar("_F", bound=Callable)
 
 _TRUE = {"1", "true"}
 _FALSE = {"0", "false"}
@@ -79,3 +90,28 @@ def off_reason(flag: Flag) -> str:
     if not (flag.raw or "").strip():
         return f"{flag.name} is not set (1/true enables it)"
     return f"{flag.name}={flag.raw.strip()} (off; 1/true enables it)"
+
+
+def getter(name: str) -> Callable[[], str | None]:
+    """The getter this package registers for ``name`` in ``vllm.envs.environment_variables``."""
+
+    def read() -> str | None:
+        return os.environ.get(name)
+
+    return mark_own(read)
+
+
+def mark_own(fn: _F) -> _F:
+    """Mark ``fn`` as this package's addition to ``vllm.envs``."""
+    setattr(fn, _OWN_GETTER, True)
+    return fn
+
+
+def is_own_getter(fn: object) -> bool:
+    """Whether ``fn`` is a getter made by :func:`getter`."""
+    return bool(getattr(fn, _OWN_GETTER, False))
+
+
+def declared_by_vllm(table: object, name: str = SWITCH) -> bool:
+    """Whether vLLM's own ``environment_variables`` table declares ``name`` (not through this package)."""
+    return isinstance(table, dict) and name in table and not is_own_getter(table[name])

@@ -1,21 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
 """The gates that decide whether the FlyDSL arm can be installed, in order.
 
-1. the switch; 2. the vLLM version window; 3. ROCm; 4. gfx950; 5. the
-kernel; 6. the target's signature. The first gate that fails is the reason.
-``register()`` and ``doctor`` both call :func:`evaluate`, so the log line and
-the doctor report never disagree. Nothing here raises.
+1. the switch; 2. vLLM does not route the call itself (in-tree); 3. the vLLM
+version window; 4. ROCm; 5. gfx950; 6. aiter enabled and installed; 7. the
+kernel; 8. the target's signature. The first gate that fails is the reason.
+Gates 4-6 are cheap (vLLM's platform, ``VLLM_ROCM_USE_AITER``,
+``importlib.util.find_spec``): aiter is imported, by the kernel gate, only where
+they pass, as vLLM itself would import it. ``register()`` and ``doctor`` both
+call :func:`evaluate`, so the log line and the doctor report never disagree.
+Nothing here raises.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata
+import importlib.util
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer._logging import ACTIVE_LINE, STOCK_LINE
+from vllm_flydsl_indexer._logging import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
 from vllm_flydsl_indexer.identification import find_kernel
 from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
@@ -28,6 +36,7 @@ __all__ = [
     "check_version",
     "evaluate",
     "gcn_arch",
+    "in_tree_route",
     "parse_version",
     "vllm_version",
 ]
@@ -64,9 +73,13 @@ class Decision:
     gcn_arch: str | None = None
     # Which measured table picks the arm per shape, in a few words (set when the patch is installed).
     table: str | None = None
+    # vLLM routes the call to FlyDSL itself: the plugin patches and registers nothing.
+    in_tree: bool = False
 
     def log_line(self) -> str:
         """The one line ``register()`` logs: ACTIVE with what replaces what, or stock with the reason."""
+        if self.in_tree:
+            return f"{IN_TREE_LINE} ({self.reason}); the plugin patches nothing"
         if self.active:
             return (
                 f"{ACTIVE_LINE} ({self.variant.location if self.variant else '?'}, "
@@ -152,6 +165,55 @@ def _check_platform() -> tuple[Gate, Gate]:
         return rocm, Gate("gfx950", False, f"arch unreadable ({type(e).__name__}: {e})")
 
 
+# The target module's source is read, not imported, to see whether vLLM calls FlyDSL itself.
+_MAX_SOURCE_BYTES = 4 * 2**20
+
+
+def _target_calls_flydsl() -> bool:
+    """Whether the target function's source (read from its file, not imported) mentions flydsl."""
+    spec = importlib.util.find_spec(TARGET_MODULE)
+    origin = getattr(spec, "origin", None)
+    if not origin or not os.path.isfile(origin) or os.path.getsize(origin) > _MAX_SOURCE_BYTES:
+        return False
+    with open(origin, encoding="utf-8") as f:
+        source = f.read()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == TARGET_NAME:
+            return "flydsl" in (ast.get_source_segment(source, node) or "").lower()
+    return False
+
+
+def in_tree_route() -> str | None:
+    """Why vLLM already routes the call to FlyDSL itself, or ``None``; never raises.
+
+    vLLM declares the switch in ``vllm.envs.environment_variables`` (not through
+    this package), or its target already calls aiter's FlyDSL kernel.
+    """
+    try:
+        vllm_envs = sys.modules.get("vllm.envs")
+        if vllm_envs is not None and envs.declared_by_vllm(getattr(vllm_envs, "environment_variables", None)):
+            return f"vllm.envs declares {envs.SWITCH}"
+        if _target_calls_flydsl():
+            return f"{TARGET_MODULE}.{TARGET_NAME} already calls aiter's FlyDSL kernel"
+    except Exception:  # noqa: BLE001 - unreadable: not in-tree; the target gate reports the rest
+        return None
+    return None
+
+
+def _check_aiter() -> Gate:
+    """vLLM's own cheap aiter questions: ``VLLM_ROCM_USE_AITER`` and ``find_spec``, no import."""
+    try:
+        import vllm.envs as vllm_envs
+
+        if not vllm_envs.VLLM_ROCM_USE_AITER:
+            return Gate("aiter", False, "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter")
+        if importlib.util.find_spec("aiter") is None:
+            return Gate("aiter", False, "aiter is not installed (importlib.util.find_spec('aiter') is None)")
+    except Exception as e:  # noqa: BLE001
+        return Gate("aiter", False, f"aiter unreadable ({type(e).__name__}: {e})")
+    return Gate("aiter", True, "VLLM_ROCM_USE_AITER=1 and aiter is installed")
+
+
 def _check_target() -> tuple[Gate, ModuleType | None]:
     try:
         module = importlib.import_module(TARGET_MODULE)
@@ -179,26 +241,36 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
     module = None
 
     def run_gates():
-        nonlocal lookup, module
+        nonlocal module
         if switch.enabled:
             yield Gate("switch", True, f"{envs.SWITCH}={switch.raw}")
         else:
             yield Gate("switch", False, envs.off_reason(switch))
+        in_tree = in_tree_route()
+        yield Gate("in-tree", in_tree is None, in_tree or "vLLM does not route the call to FlyDSL itself")
         yield check_version(vllm_version(), allow.enabled)
-        rocm, gfx950 = _check_platform()
-        yield rocm
-        yield gfx950
-        lookup = find_kernel()
-        if lookup.variant is None:
-            yield Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
+        cheap = [*_check_platform()]
+        cheap.append(_check_aiter() if cheap[-1].ok else Gate("aiter", False, "not on gfx950", skipped=True))
+        yield from cheap
+        stopped = next((g for g in cheap if not g.ok and not g.skipped), None)
+        if stopped is not None:
+            # Import aiter only where vLLM would: a cheap gate failed.
+            yield Gate("kernel", False, f"aiter not imported (the {stopped.name} gate failed)", skipped=True)
         else:
-            yield Gate(
-                "kernel",
-                True,
-                f"found {lookup.location}: {lookup.variant.name} ({lookup.variant.description})",
-            )
+            yield _check_kernel()
         target_gate, module = _check_target()
         yield target_gate
+
+    def _check_kernel() -> Gate:
+        nonlocal lookup
+        lookup = find_kernel()
+        if lookup.variant is None:
+            return Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
+        return Gate(
+            "kernel",
+            True,
+            f"found {lookup.location}: {lookup.variant.name} ({lookup.variant.description})",
+        )
 
     first_failure: Gate | None = None
     for gate in run_gates():
@@ -210,7 +282,15 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
 
     if first_failure is not None:
         variant = lookup.variant if lookup is not None else None
-        return Decision(False, first_failure.detail, gates, variant, verify=verify.enabled, warnings=warnings)
+        return Decision(
+            False,
+            first_failure.detail,
+            gates,
+            variant,
+            verify=verify.enabled,
+            warnings=warnings,
+            in_tree=first_failure.name == "in-tree",
+        )
     assert lookup is not None
     return Decision(
         True,

@@ -47,6 +47,7 @@ and records it. Nothing here imports vLLM.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -61,6 +62,7 @@ from vllm_flydsl_indexer.kernels import (
     KernelVariant,
     Limits,
 )
+from vllm_flydsl_indexer.target import Call
 
 __all__ = [
     "AITER_DISTRIBUTIONS",
@@ -87,6 +89,7 @@ KERNEL_MODULES = (
 DISPATCHER_MODULE = "aiter.paged_mqa_logits"
 DISPATCHER_NAME = "paged_mqa_logits"
 DISPATCHER_CONFIG_NAME = "get_paged_mqa_logits_config"
+DISPATCHER_SUPPORTS_NAME = "flydsl_supports"
 # Distribution names of aiter, first found wins: its ROCm wheels are published as
 # amd-aiter ("aiter" on PyPI is an unrelated library).
 AITER_DISTRIBUTIONS = ("amd-aiter", "aiter")
@@ -373,8 +376,35 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
     if "Preshuffle" not in params or "KVBlockSize" not in params:
         return f"{DISPATCHER_NAME} lacks Preshuffle/KVBlockSize"
     return KernelVariant(
-        "dispatcher", fn, location, Limits(), "aiter's tuned Gluon/FlyDSL dispatcher", own_table=True
+        "dispatcher",
+        fn,
+        location,
+        Limits(),
+        "aiter's tuned Gluon/FlyDSL dispatcher",
+        own_table=True,
+        dispatch_objection=functools.partial(
+            _dispatcher_objection, config, getattr(module, DISPATCHER_SUPPORTS_NAME, None)
+        ),
     )
+
+
+def _dispatcher_objection(
+    config: Callable[..., dict], supports: Callable[..., bool] | None, call: Call, preshuffle: bool
+) -> str | None:
+    """``None`` where aiter's dispatcher launches FlyDSL for ``call``, else why it would launch Gluon.
+
+    Its table row (``get_paged_mqa_logits_config``, host-side and memoised by aiter) and, when it
+    picks FlyDSL, ``flydsl_supports`` (shapes, dtypes, contiguity), exactly as the dispatcher asks.
+    """
+    batch, next_n, heads, head_dim = call.q_fp8.shape
+    block_size = call.kv_cache.shape[1]
+    backend = config(batch, next_n, heads, head_dim, block_size, preshuffle).get("backend")
+    shape = f"batch={batch} next_n={next_n} heads={heads} head_dim={head_dim} KVBlockSize={block_size}"
+    if backend != "flydsl":
+        return f"aiter's dispatcher picks {backend} for {shape}: vLLM's own Gluon call runs"
+    if supports is not None and not supports(call.q_fp8, call.kv_cache, call.weights, preshuffle, block_size):
+        return f"aiter's dispatcher would not launch FlyDSL for {shape} ({DISPATCHER_SUPPORTS_NAME})"
+    return None
 
 
 def identify(fn: Callable, module: ModuleType | None) -> KernelVariant | str:

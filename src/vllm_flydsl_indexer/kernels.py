@@ -138,6 +138,9 @@ def common_violation(
         return "kv_cache pool is 2**31 bytes or more (FlyDSL uses i32 offsets)"
     if weights.dtype != torch.float32 or tuple(weights.shape) != (batch * next_n, heads):
         return f"weights ({weights.dtype}, {tuple(weights.shape)}) are not float32 (B*next_n, H)"
+    if not weights.is_contiguous():
+        # aiter's gfx950 wrapper asserts it; its dispatcher's flydsl_supports requires it.
+        return f"weights are not contiguous (strides {tuple(weights.stride())})"
     if (
         context_lens.dtype != torch.int32
         or context_lens.dim() not in (1, 2)
@@ -185,8 +188,12 @@ class KernelVariant:
     # Workgroups per CU of the explicit SplitKV every launch passes; ``None``: SplitKV not passed.
     split_kv_workgroups_per_cu: int | None = None
     # Picks Gluon or FlyDSL itself from aiter's own tuned table (the dispatcher): the plugin's
-    # table is not used, and Gluon's -inf past the read windows may be written.
+    # table is not used.
     own_table: bool = False
+    # The dispatcher's own choice for a call, from shapes (its ``get_paged_mqa_logits_config`` and
+    # ``flydsl_supports``), given the call and its Preshuffle: ``None`` where it launches FlyDSL, else
+    # why not. Where it would launch Gluon (with its own ChunkK/WavePerEU), vLLM's original runs instead.
+    dispatch_objection: Callable[[Call, bool], str | None] | None = None
 
     def violation(self, call: Call) -> str | None:
         """Why this API cannot take the call exactly, or ``None``."""

@@ -18,9 +18,12 @@ contiguity), so a Call is built only on a memo miss. The router, not a rule,
 drops a tuned table that has no rows for this GPU's CU count. After the rules,
 two guards that depend on the router's own history: **no first-time compile
 inside graph capture**, and **a configuration whose kernel raised stays
-stock**. Any exception from the FlyDSL launch returns stock's answer for that
-call, logs one ERROR, and sends that configuration to stock for good: nothing
-the kernel raises reaches vLLM.
+stock**. Any exception from the FlyDSL launch, or from the router's own work
+on a call (the rules, the launch's keyword arguments), returns stock's answer
+for that call and logs one ERROR; nothing reaches vLLM. A kernel's argument
+check (:data:`ARGUMENT_ERRORS`) rejects only that call signature's route;
+anything else (compile, launch, the router's own work) sends the whole
+configuration to stock for good.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from vllm_flydsl_indexer.target import Call, call_key
 from vllm_flydsl_indexer.tuning import TunedTable
 
 __all__ = [
+    "ARGUMENT_ERRORS",
     "FlyDSLRouter",
     "KernelConfig",
     "MAX_MEMOISED_VERDICTS",
@@ -51,6 +55,10 @@ __all__ = [
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
+# What aiter's wrappers raise from their argument checks, before anything is compiled or launched
+# (Python's own exceptions for bad arguments: ``assert``, ``raise ValueError``/``TypeError``). They
+# reject that call signature only; any other exception disables the kernel configuration.
+ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
 
 
 class KernelConfig(NamedTuple):
@@ -118,6 +126,8 @@ class FlyDSLRouter:
         self.is_capturing = is_capturing
         self.compiled: set[KernelConfig] = set()
         self.failed: dict[KernelConfig, str] = {}
+        # Why the kernel rejected a call's arguments (ARGUMENT_ERRORS), one entry per rejected route.
+        self.rejected: list[str] = []
         self._routes: dict[tuple, Route] = {}
         self.disabled_reason: str | None = None
         self.calls_taken = 0
@@ -204,7 +214,10 @@ class FlyDSLRouter:
         route = self._routes.get(key)
         if route is None:
             # A Call is built only on a memo miss: the hot path looks its verdict up by the key alone.
-            route = self._memoise(key, Call.of(args, compress_ratio, caller, dcp))
+            try:
+                route = self._memoise(key, Call.of(args, compress_ratio, caller, dcp))
+            except Exception as e:  # noqa: BLE001 - the router's own failure is stock's answer
+                return self._route_failed(e, key, args, compress_ratio)
         if route.reason is not None:
             return self._delegate(route.reason, args, compress_ratio)
         if not route.ready or self.verifier is not None:
@@ -271,11 +284,47 @@ class FlyDSLRouter:
             route.note,
         )
 
+    def _route_failed(self, error: Exception, key: tuple, args: tuple, compress_ratio: int) -> torch.Tensor:
+        """The router's own work on a call raised: stock's answer, and its configuration stays stock."""
+        q_fp8, kv_cache = args[0], args[1]
+        reason = f"the router raised {type(error).__name__} building this call's route: {error}"
+        if q_fp8.dim() == 4 and kv_cache.dim() >= 2:
+            _, next_n, heads, head_dim = q_fp8.shape
+            config = KernelConfig(heads, head_dim, kv_cache.shape[1], next_n)
+            self.failed[config] = f"{reason} (for {config.describe()}, earlier)"
+            self._routes.clear()  # no memoised route of this configuration launches again
+        if len(self._routes) < MAX_MEMOISED_VERDICTS:
+            self._routes[key] = Route(reason)
+        self.logger.error(
+            "%s %s. This call and every later call of this configuration use the stock path.", HEAD, reason
+        )
+        self.calls_delegated += 1
+        return self.original(*args, compress_ratio=compress_ratio)
+
     def _kernel_failed(
         self, error: Exception, args: tuple, compress_ratio: int, route: Route
     ) -> torch.Tensor:
         config = route.config
         assert config is not None
+        if isinstance(error, ARGUMENT_ERRORS):
+            # The wrapper's argument check refused this call: only its signature's route stays stock.
+            route.reason = f"FlyDSL rejected this call's arguments earlier ({type(error).__name__}: {error})"
+            self.rejected.append(route.reason)
+            route.ready = False
+            log_once(
+                self.logger,
+                logging.ERROR,
+                "%s %s (%s) rejected a call's arguments: %s: %s (%s). Calls of this signature use the "
+                "stock path; the rest of this configuration is unaffected.",
+                HEAD,
+                self.variant.location,
+                config.describe(),
+                type(error).__name__,
+                error,
+                _stack_versions(),
+            )
+            self.calls_delegated += 1
+            return self.original(*args, compress_ratio=compress_ratio)
         self.failed[config] = (
             f"FlyDSL raised for {config.describe()} earlier ({type(error).__name__}: {error})"
         )

@@ -40,6 +40,7 @@ __all__ = [
     "RuleEntry",
     "contiguity_rule",
     "contract_rule",
+    "dispatcher_rule",
     "gluon_rule",
     "layout_rule",
     "table_rule",
@@ -114,6 +115,16 @@ def layout_rule(call: Call, router: RouterView) -> str | None:
     return None
 
 
+def dispatcher_rule(call: Call, router: RouterView) -> str | None:
+    """With aiter's dispatcher only its FlyDSL picks are taken: where its table picks Gluon, it would
+    re-tune Gluon's ChunkK/WavePerEU, so vLLM's original runs instead (the switch changes only the kernel).
+    Asked from shapes when the route is built, never per call."""
+    objection = router.variant.dispatch_objection
+    if objection is None:
+        return None
+    return objection(call, router.variant.preshuffle(call.kv_cache.shape[1]))
+
+
 def table_rule(call: Call, router: RouterView) -> str | None:
     """A measured table keeps the call stock where it found stock (Gluon) faster, or where the
     FlyDSL launch it measured cannot be made: its rows disagree, or the found kernel cannot take
@@ -147,6 +158,7 @@ RULES: tuple[RuleEntry, ...] = (
     RuleEntry(contract_rule),  # the found API's exact contract and limits
     RuleEntry(window_rule),  # written columns equal read columns, per caller
     RuleEntry(layout_rule),  # launched with stock's Preshuffle
+    RuleEntry(dispatcher_rule),  # aiter's dispatcher: only where it launches FlyDSL
     RuleEntry(table_rule),  # a measured table's per-shape choice and its launch
 )
 LIVE_RULES = tuple(entry.rule for entry in RULES if entry.live)

@@ -104,9 +104,10 @@ class Call(NamedTuple):
 
 
 def call_key(args: tuple, compress_ratio: int, caller: str | None, dcp: int) -> tuple:
-    """Everything the memoised rules read: shapes, dtypes, contiguity and the Python arguments.
+    """Everything the memoised rules read: shapes, dtypes, contiguity, device and the Python arguments.
 
     Takes what :meth:`Call.of` takes, so the router looks a verdict up before it builds a Call.
+    The device index keys the CU count (SplitKV) and aiter's per-GPU choices.
     """
     q, kv, weights, lens, tables, _, max_model_len = args
     return (
@@ -122,6 +123,8 @@ def call_key(args: tuple, compress_ratio: int, caller: str | None, dcp: int) -> 
         tables.dtype,
         q.is_contiguous(),
         kv.is_contiguous(),
+        weights.is_contiguous(),
+        q.device.index,
         max_model_len,
         compress_ratio,
         caller,

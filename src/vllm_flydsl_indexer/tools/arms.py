@@ -7,9 +7,10 @@
   two write contracts. They are labelled as such and never presented as
   kernels.
 
-Also the mirror of vLLM 0.33.0's gfx950 branches (:func:`stock_call`,
-:func:`mirror_hooks`), which :mod:`vllm_flydsl_indexer.tools.paths` uses where vLLM's
-own function would not run aiter's Gluon kernel.
+Also the stock copy: this package's copy of vLLM's gfx950 branches of the
+target (:func:`stock_call`, :func:`mirror_hooks`; the same in effect in vLLM
+0.33.0 and 0.34.0), which :mod:`vllm_flydsl_indexer.tools.paths` uses where
+vLLM's own function would not run aiter's Gluon kernel.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def c4a_route_reference(
 
 
 def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Tensor]:
-    """The mirror: vLLM 0.33.0's gfx950 branches of ``rocm_fp8_paged_mqa_logits``, verbatim in effect.
+    """The stock copy: vLLM's gfx950 branches of ``rocm_fp8_paged_mqa_logits`` (0.33.0 and 0.34.0 alike).
 
     C4A goes to (the reference of) vLLM's Triton route; everything else to Gluon.
     """

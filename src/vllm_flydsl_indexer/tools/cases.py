@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer.kernels import KernelVariant
-from vllm_flydsl_indexer.target import SCALE_BYTES
+from vllm_flydsl_indexer.target import SCALE_BYTES, Call
 from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, mtp_bounds
 from vllm_flydsl_indexer.tools.settings import CHECK_BLOCKS, CHECK_BOUNDS_BLOCK
@@ -123,9 +123,33 @@ def expected_arm(case: Case, variant: KernelVariant) -> tuple[str, str]:
             return "stock", "compressed bounds"
         if case.dcp != 1:
             return "stock", "DCP-localised bounds"
+    if variant.dispatch_objection is not None and variant.dispatch_objection(
+        _shapes_only(case), variant.preshuffle(case.block_size)
+    ):
+        return "stock", "aiter's dispatcher picks Gluon: vLLM's own call runs"
     if case.capturing:
         return "stock", "first seen during graph capture"
     return "FlyDSL", "eligible"
+
+
+def _shapes_only(case: Case) -> Call:
+    """The case's call as contiguous meta tensors: what aiter's dispatcher reads (shapes, dtypes, strides)."""
+    rows = case.batch * case.next_n
+
+    def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    return Call(
+        meta(case.batch, case.next_n, case.heads, case.head_dim, dtype=torch.float8_e4m3fn),
+        meta(1, case.block_size, 1, case.head_dim + SCALE_BYTES, dtype=torch.uint8),
+        meta(rows, case.heads, dtype=torch.float32),
+        meta(case.batch, case.next_n, dtype=torch.int32),
+        meta(case.batch, 1, dtype=torch.int32),
+        case.context_len,
+        case.compress_ratio,
+        case.caller,
+        case.dcp,
+    )
 
 
 def model_cases(models, block_sizes, next_ns, batch: int, context_len: int) -> list[Case]:

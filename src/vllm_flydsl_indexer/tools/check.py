@@ -137,7 +137,7 @@ def run_case(
     except Exception as e:  # noqa: BLE001 - vLLM's own answer to a shape no kernel takes
         stock_out = e
 
-    taken, failed = router.calls_taken, len(router.failed)
+    taken, failed, rejected = router.calls_taken, len(router.failed), len(router.rejected)
     poison(rows, problem.max_model_len).fill_(float("nan"))
     with paths.with_dcp(router, case.dcp) if case.dcp != 1 else contextlib.nullcontext():
         try:
@@ -148,6 +148,8 @@ def run_case(
     kernel_error = None
     if len(router.failed) > failed:
         kernel_error = f"the FlyDSL kernel raised: {next(reversed(router.failed.values()))}"
+    elif len(router.rejected) > rejected:
+        kernel_error = f"the FlyDSL kernel raised: {router.rejected[-1]}"
     if isinstance(stock_out, Exception) or isinstance(patched_out, Exception):
         return raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out)
 

@@ -327,7 +327,7 @@ def report(
         "kv_cache_layout": layout_report(environ),
         "ray_non_carry_over": ray_non_carry_over_report(environ),
         "flydsl_for_aiter": flydsl_requirement_report(),
-        "arm": "flydsl" if decision.active else "stock",
+        "arm": "flydsl" if decision.active else "vllm" if decision.in_tree else "stock",
         "stock": stock_report(plat),
         "reason": decision.reason,
         "log_line": decision.log_line(),
@@ -440,7 +440,9 @@ def render(data: dict[str, Any]) -> str:
     if layout["block_outer"]:
         variable = f"{LAYOUT_VARIABLE}={layout['variable']}"
         out.append(f"          {variable} is set here and is block-outer: every indexer call will stay stock")
-    arm = "FlyDSL" if data["arm"] == "flydsl" else f"stock ({data['stock']})"
+    arm = {"flydsl": "FlyDSL", "vllm": "vLLM's own route (the plugin patches nothing)"}.get(
+        data["arm"], f"stock ({data['stock']})"
+    )
     out += ["", f"arm:      {arm}  ({data['reason']})"]
     out += [f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in data["warnings"]]

@@ -9,7 +9,7 @@
   :func:`~vllm_flydsl_indexer.stock.vllm_stock_hooks`, wrapped by
   :func:`~vllm_flydsl_indexer.patch.wrap` exactly as serving wraps it, and
   called from the call sites' own modules so the caller rules apply.
-* **The mirror** everywhere else: a copy of vLLM 0.33.0's gfx9 branches
+* **The stock copy** everywhere else: this package's copy of vLLM's gfx9 branches (0.33.0 and 0.34.0 alike)
   (:func:`~vllm_flydsl_indexer.tools.arms.stock_call`) and hooks that mirror vLLM's.
 
 With reference arms (no gfx950 GPU, or ``--reference``), vLLM's own function
@@ -206,7 +206,7 @@ def build_paths(
         stock = stock_call(arms.gluon, workspace)
         hooks = mirror_hooks(workspace)
         session = contextlib.nullcontext
-        label = f"the mirror of vLLM 0.33.0's gfx950 branches ({why})"
+        label = f"this package's stock copy of vLLM's gfx950 branches ({why})"
 
     def make_router(**kwargs) -> FlyDSLRouter:
         return FlyDSLRouter(stock, variant, hooks, logger, **kwargs)

@@ -120,7 +120,9 @@ MODELS: dict[str, ModelReach] = {
             "DeepSeek-V4.1",
             "DeepseekV41ForCausalLM",
             (f"{_MLA}.indexer:DeepseekV41IndexerBackend",),
-            "vllm.models.deepseek_v41.amd.ops.sparse_indexer",
+            # On gfx950 its FP8 indexer is vLLM's, through rocm_aiter_sparse_attn_indexer: its AMD ops
+            # module (deepseek_v41.amd.ops.sparse_indexer) calls the target only with --monokernel on gfx942.
+            DEFINING_MODULE,
             (1, 2),
             BY_NAME["glm-5"].heads,
             BY_NAME["glm-5"].head_dim,

@@ -22,6 +22,11 @@ def get_paged_mqa_logits_config(batch_size, next_n, heads, head_dim, kv_block_si
     return {"backend": "flydsl" if flydsl else "gluon", "ChunkK": 256, "WavePerEU": 2}
 
 
+def flydsl_supports(q_fp8, kv_cache, weights, Preshuffle, KVBlockSize):
+    # aiter's own check (1eb1a7b5): among others, contiguous q, cache and float32 weights.
+    return bool(Preshuffle) and q_fp8.is_contiguous() and kv_cache.is_contiguous() and weights.is_contiguous()
+
+
 def paged_mqa_logits(
     q_fp8,
     kv_cache,
@@ -35,6 +40,9 @@ def paged_mqa_logits(
 ):
     batch, next_n, heads, head_dim = q_fp8.shape
     config = get_paged_mqa_logits_config(batch, next_n, heads, head_dim, KVBlockSize, Preshuffle)
+    supported = flydsl_supports(q_fp8, kv_cache, weights, Preshuffle, KVBlockSize)
+    if config["backend"] == "flydsl" and not supported:
+        config = {"backend": "gluon", "ChunkK": 256, "WavePerEU": 2}
     aiter.CALLS.append(("dispatcher", {"backend": config["backend"]}))
     kernel = flydsl_fp8_paged_mqa_logits if config["backend"] == "flydsl" else deepgemm_fp8_paged_mqa_logits
     return kernel(
