@@ -341,12 +341,15 @@ def parse(lines: Iterable[str], source: str, gfx: str) -> TunedTable:
 def read(source: str, gfx: str) -> TunedTable:
     """The table in file ``source`` for ``gfx``; every failure is a :class:`TableError`.
 
-    Whatever the file is (a directory, unreadable, not UTF-8, NUL bytes, an
-    oversize field, empty, a header only), this raises nothing else.
+    Whatever the file is (a directory, a FIFO, a device, over the size cap, unreadable,
+    not UTF-8, NUL bytes, an oversize field, empty, a header only), this raises nothing else.
     """
     try:
-        with open(source, encoding="utf-8", newline="") as f:
-            return parse(f, source, gfx)
+        import io
+
+        from vllm_flydsl_indexer import files  # regular files only, size-capped: a FIFO never hangs
+
+        return parse(io.StringIO(files.read_text(source), newline=""), source, gfx)
     except TableError:
         raise
     except Exception as e:  # noqa: BLE001 - a table file must never crash startup or doctor
