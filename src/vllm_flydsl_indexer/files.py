@@ -65,10 +65,15 @@ def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
     ``UnicodeDecodeError`` as reading does.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
-    with os.fdopen(fd, "rb") as f:
+    try:
         mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise FileRefused(f"{path} is {_kind(mode)}, not a regular file; nothing read")
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FileRefused(f"{path} is {_kind(mode)}, not a regular file; nothing read")
+    with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise FileRefused(f"{path} is larger than {limit} bytes; nothing read")

@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
-from vllm_flydsl_indexer import envs, gates, tuning
+from vllm_flydsl_indexer import envs, files, gates, tuning
 from vllm_flydsl_indexer.identification import AITER_DISTRIBUTIONS, installed_version
 from vllm_flydsl_indexer.kernels import (
     BLOCK_OUTER_LAYOUTS,
@@ -162,8 +162,7 @@ def ray_non_carry_over_report(environ: dict[str, str] | None = None) -> dict[str
     path = os.path.join(_vllm_config_root(environ), RAY_NON_CARRY_OVER_FILE)
     data: dict[str, Any] = {"file": path, "listed": [], "warning": None}
     try:
-        with open(path, encoding="utf-8") as f:
-            names = set(json.load(f))
+        names = set(json.loads(files.read_text(path)))  # a FIFO or device here is a note, never a hang
     except FileNotFoundError:
         return data | {"note": f"no {path}: Ray workers get the plugin's variables"}
     except (OSError, ValueError, TypeError) as e:
