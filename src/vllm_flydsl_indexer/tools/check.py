@@ -335,8 +335,20 @@ def render(
     last = f"{passed} passed, {ran - passed} failed"
     if planned is not None and ran < planned:
         last += f", {planned - ran} not run ({interrupted_note(ran, planned)})"
-    lines += ["", f"{last} ({scope})"]
+    lines += ["", *meaning(arms.real), f"{last} ({scope})"]
     return "\n".join(lines)
+
+
+def meaning(real: bool) -> list[str]:
+    """The lines above the count: what passed means, and where the real kernels are checked."""
+    lines = ["passed means: each case took the arm the rules require, and both arms agreed on every column"]
+    if real:
+        return [*lines, "vLLM reads, here on the real kernels (aiter's Gluon and FlyDSL on this gfx950)"]
+    return [
+        *lines,
+        "vLLM reads; here on the reference contracts (pure torch), not the real kernels; for those,",
+        f"on an MI355X in vLLM's environment, run: {settings.REAL_CHECK}",
+    ]
 
 
 def lookup_kernel() -> KernelLookup:

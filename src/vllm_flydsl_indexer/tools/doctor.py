@@ -298,12 +298,17 @@ def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
     failing = [(i, g) for i, g in enumerate(data["gates"], 1) if not g["ok"] and not g.get("skipped")]
     if failing and data["reason"] == failing[0][1]["detail"]:
         i, gate = failing[0]
-        data["reason"] = f"gate {i}, {gate['name']}, above"
+        data["reason"] = f"gate {i}, {gate['name']}, below"
     return data
 
 
 def render(data: dict[str, Any]) -> str:
-    out = ["vllm-flydsl-indexer doctor", "", "versions:"]
+    """The answer first (the arm, its one reason, the log line, the warnings), then the details."""
+    pointed = _pointing_to_gates(data)
+    arm = "FlyDSL" if data["arm"] == "flydsl" else f"stock ({data['stock']})"
+    out = [f"arm:      {arm}  ({pointed['reason']})", f"log line: {data['log_line']}"]
+    out += [f"warning:  {w}" for w in pointed["warnings"]]
+    out += ["", "versions:"]
     out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
     needs = data["flydsl_for_aiter"]
     out.append(f"  {'':<8} warning: {needs['warning']}" if needs["warning"] else f"  {'':<8} {needs['note']}")
@@ -328,7 +333,6 @@ def render(data: dict[str, Any]) -> str:
             note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
             first_failure_seen = True
         out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
-    data = _pointing_to_gates(data)
     kernel = data["kernel"]
     if kernel is not None:
         out += ["", f"kernel:   {kernel['variant']}: {kernel['description']} ({kernel['location']})"]
@@ -369,12 +373,8 @@ def render(data: dict[str, Any]) -> str:
     if layout["block_outer"]:
         variable = f"{LAYOUT_VARIABLE}={layout['variable']}"
         out.append(f"          {variable} is set here and is block-outer: every indexer call will stay stock")
-    arm = "FlyDSL" if data["arm"] == "flydsl" else f"stock ({data['stock']})"
-    out += ["", f"arm:      {arm}  ({data['reason']})"]
-    out += [f"log line: {data['log_line']}"]
-    out += [f"warning:  {w}" for w in data["warnings"]]
     ray = data["ray_non_carry_over"]
-    out.append(f"warning:  {ray['warning']}" if ray["warning"] else f"ray:      {ray['note']}")
+    out += ["", f"warning:  {ray['warning']}" if ray["warning"] else f"ray:      {ray['note']}"]
     if "model" in data:
         from vllm_flydsl_indexer.tools import reach
 
