@@ -258,16 +258,21 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         type=block_size_list,
         help=f"comma list of KVBlockSize, each 1 or a multiple of 16 (default {_csv(CHECK_BLOCKS)})",
     )
-    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--reference", action="store_true", help="compare reference contracts even on gfx950")
     p.add_argument(
         "--topk",
         type=positive_int,
         help=f"top-k compared per row, at most --context-len (default {DEFAULT_TOPK}, vLLM's index_topk; "
         "a row shorter than that is compared whole)",
     )
+    _add_run_arguments(p, "compare reference contracts even on gfx950", "case")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, reference: str, unit: str) -> None:
+    """--device, --reference and --seed, which check and bench share (``unit``: what seed+i seeds)."""
+    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--reference", action="store_true", help=reference)
     p.add_argument(
-        "--seed", type=seed, default=0, help="seed of the random inputs; case i uses seed+i (default 0)"
+        "--seed", type=seed, default=0, help=f"seed of the random inputs; {unit} i uses seed+i (default 0)"
     )
 
 
@@ -326,11 +331,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])})",
     )
-    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
-    p.add_argument(
-        "--seed", type=seed, default=0, help="seed of the random inputs; shape i uses seed+i (default 0)"
-    )
+    _add_run_arguments(p, "run the calls over the reference contracts", "shape")
     p.add_argument("--json", dest="json_path", type=output_path, help="write results as JSON")
     p.add_argument("--csv", dest="csv_path", type=output_path, help="write results as CSV")
     p.add_argument(
