@@ -374,3 +374,28 @@ def test_the_pinned_answers_are_the_installed_vllms(model_type):
         assert reach.mxfp4_default_models() == reach.PINNED_MXFP4_MODELS
     data = reach.assess(model_type, None, type("Off", (), {"active": True, "variant": None, "reason": ""}))
     assert data["not_read_from_vllm"] == []
+
+
+# ------------------------------------------------------------------ check's tables fit 120 columns
+
+
+def test_a_wide_table_wraps_its_widest_columns_and_keeps_every_word():
+    import random
+
+    from vllm_flydsl_indexer.tools.table import WIDTH, format_table
+
+    rng = random.Random(os.urandom(4))
+
+    def words(n):
+        return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
+
+    rows = [("case", "calls", "expected", "result")] + [
+        (f"case {i} {words(3)}", words(rng.randrange(10, 20)), words(rng.randrange(10, 20)), "PASS")
+        for i in range(6)
+    ]
+    lines = format_table(rows)
+    assert min(len("  ".join(r)) for r in rows[1:]) > WIDTH == 120  # each row too wide unwrapped
+    assert max(map(len, lines)) <= WIDTH
+    firsts = [line for line in lines[2:] if line.endswith("PASS")]
+    assert [line.split("  ")[0] for line in firsts] == [r[0] for r in rows[1:]]  # the key column never wraps
+    assert sorted(" ".join(lines[2:]).split()) == sorted(" ".join(" ".join(r) for r in rows[1:]).split())
