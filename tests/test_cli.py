@@ -313,7 +313,11 @@ BAD_INPUT = [
     (["check", "--block-size", "64,x"], "--block-size", "each 1 or a multiple of 16"),
     (["check", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
     (["check", "--device", "cuda"], "--device", "accepted here: cpu"),
-    (["check", "--model", "llama"], "--model", "'glm-5'"),
+    (
+        ["check", "--model", "llama"],
+        "--model",
+        "deepseek_v32, glm_moe_dsa, deepseek_v4, deepseek_v41, glm5_next (or deepseek-v3.2, glm-5) (or all)",
+    ),
     (["check", "--seed", "-1"], "--seed", "[0, 2**32)"),
     (["bench", "--seed", str(2**64)], "--seed", "[0, 2**32)"),
     (["check", "--next-n", "4", "--context-len", "2"], "--next-n", "<= --context-len"),

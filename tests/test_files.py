@@ -390,7 +390,7 @@ def test_a_wide_table_wraps_its_widest_columns_and_keeps_every_word():
         return " ".join(f"w{rng.randrange(10**6)}" for _ in range(n))
 
     rows = [("case", "calls", "expected", "result")] + [
-        (f"case {i} {words(3)}", words(rng.randrange(10, 20)), words(rng.randrange(10, 20)), "PASS")
+        (f"case {i} {words(10)}", words(rng.randrange(8, 12)), words(rng.randrange(8, 12)), "PASS")
         for i in range(6)
     ]
     lines = format_table(rows)
