@@ -67,7 +67,7 @@ V32_INDEXER = f"{_MLA}.indexer:DeepseekV32IndexerBackend"
 # vLLM's KvCacheLayout names: layer-contiguous, and block-outer (a strided kv_cache for the indexer).
 LAYER_CONTIGUOUS, BLOCK_OUTER = "LBNHC", "BLHNC"
 # The model types vLLM 0.33.0 and 0.34.0 default to the MXFP4 indexer (0.32.x: none); what doctor
-# answers without a vLLM to read it from. tests/test_reach.py pins both against the installed vLLM.
+# answers without a vLLM to read it from. tests/test_files.py pins both against the installed vLLM.
 PINNED_MXFP4_MODELS = frozenset({"deepseek_v4"})
 PINNED_RELEASES = "vLLM 0.33.0 and 0.34.0"
 
