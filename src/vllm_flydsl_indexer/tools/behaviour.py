@@ -141,9 +141,11 @@ TABLE_ROWS = (
     (OTHER_GFX, 2, 1, "gluon", 0),  # another GPU's row: never read here
 )
 TABLE_SOURCE = "check's in-memory table"
+# One line of check's 120 columns; the table's calls column lists the calls in order
+# (batch/KVBlockSize, then what differs).
 HEADER = (
-    "router behaviour: a fresh router per case, calls in order (batch/KVBlockSize, then what differs), "
-    "once per FlyDSL API on its reference contract (pure torch), even where real kernels exist"
+    "router behaviour, a fresh router per case and API: on its reference contract (pure torch), "
+    "even where real kernels exist"
 )
 SELF_TEST_HEADER = "agreement rule self-test: arm pairs that differ in one way only must disagree, by name"
 
@@ -533,7 +535,7 @@ def run_behaviour(
 
 def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
     """The section's table (one API's, which its heading names): its header row, then one row per case."""
-    header = ("case", "calls", "expected", "taken", "FlyDSL launches", "canary", "result")
+    header = ("case", "calls, in order", "expected", "taken", "FlyDSL launches", "canary", "result")
     return [
         header,
         *[
