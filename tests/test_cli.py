@@ -427,6 +427,10 @@ def test_plot_needs_matplotlib_before_any_work(tmp_path, no_work, monkeypatch, c
     assert "argument --plot: needs matplotlib" in line and "pip install matplotlib" in line
     assert no_work == []
     monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    canvas = types.SimpleNamespace(get_supported_filetypes=lambda: {"png": "Portable Network Graphics"})
+    monkeypatch.setitem(
+        sys.modules, "matplotlib.backend_bases", types.SimpleNamespace(FigureCanvasBase=canvas)
+    )
     from vllm_flydsl_indexer.tools import cli as cli_mod
 
     assert cli_mod.main(["bench", "--device", "cpu", "--plot", path]) == 0
