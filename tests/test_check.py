@@ -18,6 +18,7 @@ import pytest
 import vllm_flydsl_indexer
 from vllm_flydsl_indexer import agreement, callers, identification, kernels, router, rules, stock, tuning
 from vllm_flydsl_indexer import target as target_module
+from vllm_flydsl_indexer.tools import check, settings
 from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
@@ -62,11 +63,19 @@ def test_check_runs_vllms_own_function_over_every_bounds_shape(target, workspace
     assert "on its reference contract (pure torch), even where real kernels exist" in behaviour.HEADER
     behaviour_rows = [line for line in behaviours.splitlines() if line.endswith(("PASS", "FAIL"))]
     labels = [b.label for b in behaviour.BEHAVIOURS]
-    ran = [tuple(c.strip() for c in r.split("  ") if c.strip())[:2] for r in behaviour_rows]
+    ran, api = [], None
+    for line in behaviours.splitlines():  # a section per API, its heading naming it
+        if line.startswith("as the "):
+            api = line.removeprefix("as the ").split(" API")[0]
+        elif line.endswith(("PASS", "FAIL")):
+            ran.append((api, line.split("  ")[0]))
     apis = ("general", "gfx950", "gfx950-early")  # the found API (the general double) first
     assert ran[: len(labels) * 3] == [(api, label) for api in apis for label in labels]
     assert all(r.endswith("PASS") for r in behaviour_rows) and "FAIL" not in behaviours
     assert ALL_PASS in out
+    # Every line fits 120 columns; the last lines say what passed means and what runs the real kernels.
+    assert max(map(len, out.splitlines())) <= 120, [line for line in out.splitlines() if len(line) > 120]
+    assert out.splitlines()[-4:-1] == check.meaning(False) and settings.REAL_CHECK in out.splitlines()[-2]
     # The session pointed vLLM's kernel lookups at the references, then restored them.
     assert (target.paged_mqa_logits_module, target.rocm_fp8_paged_mqa_logits_triton) == lookups
 

@@ -110,7 +110,8 @@ def test_check_puts_the_found_api_first(aiter_as, target, workspace, capsys):
     assert lines[1].startswith("found:   the gfx950 (") and "its cases come first" in lines[1]
     assert "model and bounds cases, as the gfx950 API (its reference contract)" in out
     assert "\nas the gfx950 API (found)\n" in out
-    assert out.index("as the gfx950 API (found)") < out.index("as the other APIs the plugin knows")
+    assert out.index("as the gfx950 API (found)") < out.index("\nas the general API\n")
+    assert out.index("as the gfx950 API (found)") < out.index("\nas the gfx950-early API\n")
     assert lines[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"
 
 

@@ -72,7 +72,10 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     assert text.count("'maybe'") == 2, text
     assert f"\nlog line: {data['log_line']}\n" in text and data["switch"]["error"] in data["log_line"]
     assert "<gate" not in text
-    assert "arm:      stock (Gluon)  (gate 1, switch, above)" in text
+    # The answer first: the arm and its one reason, then the log line; the details follow.
+    assert text.startswith(
+        f"arm:      stock (Gluon)  (gate 1, switch, below)\nlog line: {data['log_line']}\n"
+    )
 
 
 def test_doctor_names_the_aiter_gate_and_imports_no_aiter():
@@ -112,9 +115,8 @@ def test_doctor_with_vllm_but_not_rocm():
     assert "FAIL not checked" not in text.stdout
     # Stock here is vLLM's path for this platform, not Gluon.
     assert data["stock"].startswith("not a ROCm gfx950 GPU")
-    assert (
-        "\narm:      stock (not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon)  ("
-        in text.stdout
+    assert text.stdout.startswith(
+        "arm:      stock (not a ROCm gfx950 GPU: vLLM's own path for this platform, not Gluon)  ("
     )
     assert "stock (Gluon)" not in text.stdout
     assert cli(["doctor", "--strict"], env).returncode == 1
@@ -124,7 +126,7 @@ def test_doctor_without_vllm():
     env = no_vllm_env(**{envs.SWITCH: "1"})
     text = cli(["doctor"], env)
     assert text.returncode == 0, text.stderr[-2000:]
-    assert "\narm:      stock (vLLM not installed)  (gate 3, vllm, above)\n" in text.stdout
+    assert text.stdout.startswith("arm:      stock (vLLM not installed)  (gate 3, vllm, below)\n")
     assert "(FlyDSL inactive: vLLM is not installed)" in text.stdout and "Gluon" not in text.stdout
     data = json.loads(cli(["doctor", "--json"], env).stdout)
     assert data["versions"]["vllm"] == "not installed"
@@ -334,7 +336,11 @@ BAD_INPUT = [
     (["check", "--block-size", "64,x"], "--block-size", "each 1 or a multiple of 16"),
     (["check", "--device", "gpu"], "--device", "cpu, cuda or cuda:N"),
     (["check", "--device", "cuda"], "--device", "accepted here: cpu"),
-    (["check", "--model", "llama"], "--model", "'glm-5'"),
+    (
+        ["check", "--model", "llama"],
+        "--model",
+        "deepseek_v32, glm_moe_dsa, deepseek_v4, deepseek_v41, glm5_next (or deepseek-v3.2, glm-5) (or all)",
+    ),
     (["check", "--seed", "-1"], "--seed", "[0, 2**32)"),
     (["bench", "--seed", str(2**64)], "--seed", "[0, 2**32)"),
     (["check", "--next-n", "4", "--context-len", "2"], "--next-n", "<= --context-len"),
@@ -444,6 +450,10 @@ def test_plot_needs_matplotlib_before_any_work(tmp_path, no_work, monkeypatch, c
     assert "argument --plot: needs matplotlib" in line and "pip install matplotlib" in line
     assert no_work == []
     monkeypatch.setitem(sys.modules, "matplotlib", types.ModuleType("matplotlib"))
+    canvas = types.SimpleNamespace(get_supported_filetypes=lambda: {"png": "Portable Network Graphics"})
+    monkeypatch.setitem(
+        sys.modules, "matplotlib.backend_bases", types.SimpleNamespace(FigureCanvasBase=canvas)
+    )
     from vllm_flydsl_indexer.tools import cli as cli_mod
 
     assert cli_mod.main(["bench", "--device", "cpu", "--plot", path]) == 0
@@ -765,7 +775,7 @@ def test_doctor_names_an_unset_or_off_switch_and_what_turns_it_on():
         assert f"  1. switch  FAIL {gate_text}\n" in text
         assert f"log line: vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: {gate_text})" in text
         assert "is not set to 1" not in text and "unset (parsed" not in text and "<gate" not in text
-        assert f"\narm:      stock ({data['stock']})  (gate 1, switch, above)\n" in text
+        assert text.startswith(f"arm:      stock ({data['stock']})  (gate 1, switch, below)\nlog line: ")
 
 
 def test_doctor_says_what_stock_runs_gluon_only_on_a_rocm_gfx950_vllm():

@@ -319,7 +319,7 @@ def test_tune_sigint_merges_the_finished_rows_and_says_so(tmp_path):
     args = ["bench", "--tune", str(table), "--reference", "--device", "cpu", "--heads", "32"]
     shapes = ["--block-size", "64,1", "--next-n", "1", "--batch", "1,2", "--context-len", "512"]
     timing = ["--repeats", "40", "--warmup", "0", "--json", str(report)]
-    rc, out, err = signal_run([*args, *shapes, *timing], "tune: H32 KVB64 n1 B1 ", [(signal.SIGINT, None)])
+    rc, out, err = signal_run([*args, *shapes, *timing], "] H32 KVB64 n1 B1 ctx", [(signal.SIGINT, None)])
     assert rc == interrupt.EXIT_INTERRUPTED, err[-3000:]
     assert "Traceback" not in err
     match = re.fullmatch(r"interrupted after (\d+)/4", err.splitlines()[-1])

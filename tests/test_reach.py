@@ -133,7 +133,7 @@ def test_resolve_reads_a_model_directory_or_a_bare_model_type(tmp_path):
         (lambda d: (d / "config.json").write_text("{") and str(d), "no readable config.json"),
         (
             lambda d: (d / "config.json").write_text('{"model_type": "llama"}') and str(d),
-            "model_type 'llama'",
+            "field model_type is 'llama'",
         ),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import io
 import logging
+import os
 
 import pytest
 import torch
@@ -511,21 +512,19 @@ def _no_permission(path):
     ids=lambda f: f.__name__.strip("_"),
 )
 def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plugin_log, capsys):
-    import builtins
-
     from vllm_flydsl_indexer.tools import doctor
 
     path = tmp_path / "tuned.csv"
     make(path)
     if make is _no_permission:  # root reads a mode-0 file: refuse the open as the kernel would for a user
-        real_open = builtins.open
+        real_open = os.open  # the file layer's (files.read_text)
 
         def refusing_open(file, *a, **k):
             if str(file) == str(path):
                 raise PermissionError(13, "Permission denied", str(path))
             return real_open(file, *a, **k)
 
-        monkeypatch.setattr(builtins, "open", refusing_open)
+        monkeypatch.setattr(os, "open", refusing_open)
     data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
     note = data["tuned_table"]["note"]
     assert note.startswith("IGNORED: ") and str(path) in note, note

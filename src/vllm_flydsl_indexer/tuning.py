@@ -46,6 +46,7 @@ and is memoised with the router's verdict, so it costs the hot path nothing.
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 import os
@@ -54,7 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from vllm_flydsl_indexer import envs
+from vllm_flydsl_indexer import envs, files
 from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.envs import ACCEPTED, parse_bool
 from vllm_flydsl_indexer.target import Call, RouterView
@@ -402,12 +403,11 @@ def parse(lines: Iterable[str], source: str, gfx: str) -> TunedTable:
 def read(source: str, gfx: str) -> TunedTable:
     """The table in file ``source`` for ``gfx``; every failure is a :class:`TableError`.
 
-    Whatever the file is (a directory, unreadable, not UTF-8, NUL bytes, an
-    oversize field, empty, a header only), this raises nothing else.
+    Whatever the file is (a directory, a FIFO, a device, over the size cap, unreadable,
+    not UTF-8, NUL bytes, an oversize field, empty, a header only), this raises nothing else.
     """
-    try:
-        with open(source, encoding="utf-8", newline="") as f:
-            return parse(f, source, gfx)
+    try:  # regular files only, size-capped: a FIFO never hangs
+        return parse(io.StringIO(files.read_text(source), newline=""), source, gfx)
     except TableError:
         raise
     except Exception as e:  # noqa: BLE001 - a table file must never crash startup or doctor

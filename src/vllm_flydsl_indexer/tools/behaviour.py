@@ -143,9 +143,11 @@ TABLE_ROWS = (
     (OTHER_GFX, 2, 1, "gluon", 0),  # another GPU's row: never read here
 )
 TABLE_SOURCE = "check's in-memory table"
+# One line of check's 120 columns; the table's calls column lists the calls in order
+# (batch/KVBlockSize, then what differs).
 HEADER = (
-    "router behaviour: a fresh router per case, calls in order (batch/KVBlockSize, then what differs), "
-    "once per FlyDSL API on its reference contract (pure torch), even where real kernels exist"
+    "router behaviour, a fresh router per case and API: on its reference contract (pure torch), "
+    "even where real kernels exist"
 )
 SELF_TEST_HEADER = "agreement rule self-test: arm pairs that differ in one way only must disagree, by name"
 
@@ -465,121 +467,110 @@ def run_behaviour(
     """``behaviour`` on a fresh router whose FlyDSL API is ``contract``'s reference."""
     result = BehaviourResult(behaviour, contract.name, [], [], [], 0, [])
     try:
-        _run(behaviour, contract, problems, device, topk, logger, result)
+        workspace = Workspace(8, CONTEXT_LEN, device)
+        stock = stock_call(reference_arms().gluon, workspace)
+        reference = reference_variant(contract)
+        kernel = PlantedKernel(behaviour.fault, reference.fn)
+        canary_runs = []
+        verifier = None
+        if behaviour.canary:
+            agree = make_verifier(tolerance=0.0, topk=topk)  # the reference contracts agree exactly
+
+            def verifier(*args):
+                canary_runs.append(1)
+                return agree(*args)
+
+        cus = cu_count(device)
+        heads, head_dim = problems.heads, problems.head_dim
+        tables = {"check": tuned_table, "built-in": builtin_table}
+        table = tables[behaviour.table](cus, heads, head_dim) if behaviour.table else None
+        hooks = mirror_hooks(workspace)
+        if behaviour.plain_stock:
+            hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
+        variant = dataclasses.replace(reference, fn=kernel)
+        router = FlyDSLRouter(stock, variant, hooks, logger, verifier=verifier, table=table)
+        tag = f"as {contract.name}"
+        for number, step in enumerate(behaviour.steps, start=1):
+            where = f"{tag}, call {number} ({step.shape})"
+            if behaviour.shapes_only:
+                args = pool_args(step, step.heads or heads, head_dim, contract)
+            else:
+                args = problems.get(step).call_args()
+            # The CUs the router sees are those of the call's own device (meta tensors: 1), as serving's.
+            arm_wanted, launches_wanted, knobs_wanted = expect(step, contract, args, cu_count(args[0].device))
+            result.expected.append(arm_wanted)
+            router.hooks = dataclasses.replace(hooks, dcp_world_size=lambda dcp=step.dcp: dcp)
+            if behaviour.shapes_only:
+                # The memoised rules' verdict and launch, as a call of these shapes gets them:
+                # no tensor is read.
+                route = router._memoise(
+                    call_key(args, 1, step.caller, step.dcp), Call.of(args, 1, step.caller, step.dcp)
+                )
+                arm = FLYDSL if route.reason is None else STOCK
+                result.taken.append(arm)
+                result.launches.append(0)
+                if arm != arm_wanted:
+                    result.problems.append(f"{where} took {arm}, the case requires {arm_wanted}")
+                elif arm == FLYDSL and route.kwargs != knobs_wanted:
+                    result.problems.append(
+                        f"{where} would launch {route.kwargs}, the API must get {knobs_wanted}"
+                    )
+                continue
+            q = args[0]
+            rows = q.shape[0] * q.shape[1]
+            poison = workspace.get(rows, args[6])
+            poison.fill_(float("nan"))
+            expected = stock(*args).clone()
+            poison.fill_(float("nan"))
+            taken, launched = router.calls_taken, kernel.launches
+            try:
+                out = router.call_from(step.caller, *args).clone()
+            except Exception as e:  # noqa: BLE001 - reported as this case's failure
+                out = None
+                result.problems.append(f"{where} raised {type(e).__name__}: {e}")
+            router.hooks = hooks
+            arm = FLYDSL if router.calls_taken > taken else STOCK
+            result.taken.append(arm if out is not None else "raised")
+            result.launches.append(kernel.launches - launched)
+            if out is not None and arm != arm_wanted:
+                result.problems.append(f"{where} took {arm}, the case requires {arm_wanted}")
+            if result.launches[-1] != launches_wanted:
+                result.problems.append(
+                    f"{where} launched FlyDSL {result.launches[-1]} time(s), "
+                    f"the case requires {launches_wanted}"
+                )
+            for knobs in kernel.knobs[launched:]:
+                if knobs_wanted is not None and knobs != knobs_wanted:
+                    result.problems.append(f"{where} launched with {knobs}, the API must get {knobs_wanted}")
+            if out is not None:
+                # next_n 1 with (B, 2) bounds: stock's answer is over one length per sequence, its last.
+                lens = per_sequence_context_lens(args[3]) if step.form == "bounds2" else args[3]
+                ends = read_window_ends(lens, rows, q.shape[1])
+                agreement = compare_in_windows(expected, out, ends, topk)
+                if not agreement.ok(0.0):
+                    result.problems.append(f"{where} did not return stock's answer ({agreement.describe()})")
+        result.canary_runs = len(canary_runs)
+        wanted = 1 if behaviour.canary else 0
+        if result.canary_runs != wanted:
+            result.problems.append(
+                f"{tag}: the canary ran {result.canary_runs} time(s), the case requires {wanted}"
+            )
     except Exception as e:  # noqa: BLE001 - a case that cannot run fails; check goes on
         result.problems.append(f"as {contract.name}: the case raised {type(e).__name__}: {e}")
     return result
 
 
-def _run(
-    behaviour: Behaviour,
-    contract: VariantContract,
-    problems: Problems,
-    device: torch.device,
-    topk: int,
-    logger: logging.Logger,
-    result: BehaviourResult,
-) -> None:
-    workspace = Workspace(8, CONTEXT_LEN, device)
-    stock = stock_call(reference_arms().gluon, workspace)
-    reference = reference_variant(contract)
-    kernel = PlantedKernel(behaviour.fault, reference.fn)
-    canary_runs = []
-    verifier = None
-    if behaviour.canary:
-        agree = make_verifier(tolerance=0.0, topk=topk)  # the reference contracts agree exactly
-
-        def verifier(*args):
-            canary_runs.append(1)
-            return agree(*args)
-
-    cus = cu_count(device)
-    heads, head_dim = problems.heads, problems.head_dim
-    tables = {"check": tuned_table, "built-in": builtin_table}
-    table = tables[behaviour.table](cus, heads, head_dim) if behaviour.table else None
-    hooks = mirror_hooks(workspace)
-    if behaviour.plain_stock:
-        hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
-    variant = dataclasses.replace(reference, fn=kernel)
-    router = FlyDSLRouter(stock, variant, hooks, logger, verifier=verifier, table=table)
-    tag = f"as {contract.name}"
-    for number, step in enumerate(behaviour.steps, start=1):
-        where = f"{tag}, call {number} ({step.shape})"
-        if behaviour.shapes_only:
-            args = pool_args(step, step.heads or heads, head_dim, contract)
-        else:
-            args = problems.get(step).call_args()
-        # The CUs the router sees are those of the call's own device (meta tensors: 1), as serving's.
-        arm_wanted, launches_wanted, knobs_wanted = expect(step, contract, args, cu_count(args[0].device))
-        result.expected.append(arm_wanted)
-        router.hooks = dataclasses.replace(hooks, dcp_world_size=lambda dcp=step.dcp: dcp)
-        if behaviour.shapes_only:
-            # The memoised rules' verdict and launch, as a call of these shapes gets them: no tensor is read.
-            route = router._memoise(
-                call_key(args, 1, step.caller, step.dcp), Call.of(args, 1, step.caller, step.dcp)
-            )
-            arm = FLYDSL if route.reason is None else STOCK
-            result.taken.append(arm)
-            result.launches.append(0)
-            if arm != arm_wanted:
-                result.problems.append(f"{where} took {arm}, the case requires {arm_wanted}")
-            elif arm == FLYDSL and route.kwargs != knobs_wanted:
-                result.problems.append(
-                    f"{where} would launch {route.kwargs}, the API must get {knobs_wanted}"
-                )
-            continue
-        q = args[0]
-        rows = q.shape[0] * q.shape[1]
-        poison = workspace.get(rows, args[6])
-        poison.fill_(float("nan"))
-        expected = stock(*args).clone()
-        poison.fill_(float("nan"))
-        taken, launched = router.calls_taken, kernel.launches
-        try:
-            out = router.call_from(step.caller, *args).clone()
-        except Exception as e:  # noqa: BLE001 - reported as this case's failure
-            out = None
-            result.problems.append(f"{where} raised {type(e).__name__}: {e}")
-        router.hooks = hooks
-        arm = FLYDSL if router.calls_taken > taken else STOCK
-        result.taken.append(arm if out is not None else "raised")
-        result.launches.append(kernel.launches - launched)
-        if out is not None and arm != arm_wanted:
-            result.problems.append(f"{where} took {arm}, the case requires {arm_wanted}")
-        if result.launches[-1] != launches_wanted:
-            result.problems.append(
-                f"{where} launched FlyDSL {result.launches[-1]} time(s), the case requires {launches_wanted}"
-            )
-        for knobs in kernel.knobs[launched:]:
-            if knobs_wanted is not None and knobs != knobs_wanted:
-                result.problems.append(f"{where} launched with {knobs}, the API must get {knobs_wanted}")
-        if out is not None:
-            # next_n 1 with (B, 2) bounds: stock's answer is over one length per sequence, its last.
-            lens = per_sequence_context_lens(args[3]) if step.form == "bounds2" else args[3]
-            ends = read_window_ends(lens, rows, q.shape[1])
-            agreement = compare_in_windows(expected, out, ends, topk)
-            if not agreement.ok(0.0):
-                result.problems.append(f"{where} did not return stock's answer ({agreement.describe()})")
-    result.canary_runs = len(canary_runs)
-    wanted = 1 if behaviour.canary else 0
-    if result.canary_runs != wanted:
-        result.problems.append(
-            f"{tag}: the canary ran {result.canary_runs} time(s), the case requires {wanted}"
-        )
-
-
 def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
-    """The section's table: its header row, then one row per case and API."""
-    header = ("API", "case", "calls", "expected", "taken", "FlyDSL launches", "canary", "result")
+    """The section's table (one API's, which its heading names): its header row, then one row per case."""
+    header = ("case", "calls, in order", "expected", "taken", "FlyDSL launches", "canary", "result")
     return [
         header,
         *[
             (
-                r.variant,
                 r.behaviour.label,
                 ", ".join(s.shape for s in r.behaviour.steps),
                 " ".join(r.expected),
-                " ".join(r.taken),
+                "as expected" if r.taken == r.expected else " ".join(r.taken),  # the FAIL lines say where
                 " ".join(map(str, r.launches)),
                 f"{r.canary_runs} run" if r.behaviour.canary else "-",
                 "PASS" if r.ok else "FAIL",

@@ -193,7 +193,7 @@ def gate(fn: Callable, baseline: torch.Tensor, problem: PagedProblem, paths: Pat
     paths.output_buffer(rows, problem.max_model_len).fill_(float("nan"))
     out = fn(problem).clone()
     ends = read_window_ends(problem.context_lens, rows, problem.next_n)
-    result = compare_in_windows(baseline, out, ends, topk=2048)
+    result = compare_in_windows(baseline, out, ends, topk=settings.DEFAULT_TOPK)
     return None if result.ok(REAL_KERNEL_TOLERANCE if real else 1e-5) else result.describe()
 
 

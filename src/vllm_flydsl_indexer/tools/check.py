@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import textwrap
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import GENERAL, VARIANT_CONTRACTS, PagedProblem
-from vllm_flydsl_indexer.tools.table import format_table
+from vllm_flydsl_indexer.tools.table import WIDTH, format_table
 
 __all__ = ["main"]
 
@@ -241,36 +242,34 @@ def render(
 ) -> str:
     """The report: scope, the found API and its cases, then the rest; ``planned``: how many
     cases were to run, when an interrupt left some out."""
-    header = (
+    header = (  # the API is the section's heading
         "case",
-        "API",
         "caller",
         "bounds",
         "expected",
         "arm",
-        "rows",
-        "read cols",
-        "written",
+        "read/ written",
         "max rel diff",
-        "-inf mask",
-        "top-k",
+        "-inf mask, top-k",
         "result",
     )
     variant = arms.flydsl_variant()
     body = [
         (
             r.case.label,
-            variant.name,
             CALLER_LABELS.get(r.case.caller, r.case.caller),
-            r.case.bounds,
+            r.case.bounds.replace("// ", "//"),  # wraps as "(B, 2)" and "//2"
             r.expected,
             r.arm,
-            str(r.rows),
-            str(r.read_columns),
-            str(r.written_columns) if r.arm == "FlyDSL" else "-",
+            f"{r.read_columns}/{r.written_columns if r.arm == 'FlyDSL' else '-'}",
             f"{r.max_rel_diff:.2e}",
-            "identical" if r.mask_equal else "DIFFERENT",
-            "identical" if r.topk_equal else "DIFFERENT",
+            "same"
+            if r.mask_equal and r.topk_equal
+            else ", ".join(
+                f"{what} DIFFERENT"
+                for what, same in (("mask", r.mask_equal), ("top-k", r.topk_equal))
+                if not same
+            ),
             "PASS" if r.ok else "FAIL",
         )
         for r in results
@@ -293,7 +292,7 @@ def render(
         "",
         f"model and bounds cases, as the {variant.name} API"
         + ("" if arms.real else " (its reference contract)"),
-        *format_table([header, *body]),
+        *_table([header, *body]),
     ]
     for r in results:
         if r.note:
@@ -317,28 +316,52 @@ def render(
     self_tests = self_tests or []
     if behaviours:
         lines += ["", behaviour.HEADER]
-        first = behaviours[0].variant
-        ours = [r for r in behaviours if r.variant == first]
-        rest = [r for r in behaviours if r.variant != first]
-        lines += [
-            "",
-            f"as the {first} API"
-            + (" (found)" if lookup and lookup.variant and lookup.variant.name == first else ""),
-        ]
-        lines += [*format_table(behaviour.table(ours)), *behaviour.fail_lines(ours)]
-        if rest:
-            lines += ["", "as the other APIs the plugin knows"]
-            lines += [*format_table(behaviour.table(rest)), *behaviour.fail_lines(rest)]
+        found = lookup.variant.name if lookup and lookup.variant else None
+        for api in dict.fromkeys(r.variant for r in behaviours):  # the found API first
+            ours = [r for r in behaviours if r.variant == api]
+            lines += ["", f"as the {api} API" + (" (found)" if api == found else "")]
+            lines += [*_table(behaviour.table(ours)), *behaviour.fail_lines(ours)]
     if self_tests:
-        lines += ["", behaviour.SELF_TEST_HEADER, *format_table(behaviour.self_test_table(self_tests))]
+        lines += ["", behaviour.SELF_TEST_HEADER, *_table(behaviour.self_test_table(self_tests))]
         lines += behaviour.self_test_fail_lines(self_tests)
     ran = len(results) + len(behaviours) + len(self_tests)
     passed = sum(r.ok for r in results) + sum(r.ok for r in behaviours) + sum(r.ok for r in self_tests)
     last = f"{passed} passed, {ran - passed} failed"
     if planned is not None and ran < planned:
         last += f", {planned - ran} not run ({interrupted_note(ran, planned)})"
-    lines += ["", f"{last} ({scope})"]
-    return "\n".join(lines)
+    lines += ["", *meaning(arms.real), f"{last} ({scope})"]
+    # The tables fit WIDTH; a longer line of text wraps, its continuation under its text.
+    return "\n".join(part for line in lines for part in _fit(line))
+
+
+class _TableLine(str):
+    """A line of a table, fitted to WIDTH by :func:`format_table`: never wrapped again."""
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    return [_TableLine(line) for line in format_table(rows)]
+
+
+def _fit(line: str) -> list[str]:
+    if len(line) <= WIDTH or isinstance(line, _TableLine):
+        return [line]
+    head = line[:9]  # "scope:   ", "found:   ", ...: the text starts at column 9
+    indent = " " * (9 if head.rstrip().endswith(":") and head.endswith(" ") else 2)
+    return textwrap.wrap(
+        line, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
+
+
+def meaning(real: bool) -> list[str]:
+    """The lines above the count: what passed means, and where the real kernels are checked."""
+    lines = ["passed means: each case took the arm the rules require, and both arms agreed on every column"]
+    if real:
+        return [*lines, "vLLM reads, here on the real kernels (aiter's Gluon and FlyDSL on this gfx950)"]
+    return [
+        *lines,
+        "vLLM reads; here on the reference contracts (pure torch), not the real kernels; for those,",
+        f"on an MI355X in vLLM's environment, run: {settings.REAL_CHECK}",
+    ]
 
 
 def lookup_kernel() -> KernelLookup:

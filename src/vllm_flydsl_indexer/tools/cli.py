@@ -8,12 +8,14 @@ command imports what it needs after its arguments have been validated.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from vllm_flydsl_indexer.tools import cli_args, settings
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow
 
 __all__ = [
+    "EXIT_BROKEN_PIPE",
     "build_parser",
     "main",
 ]
@@ -42,10 +44,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# 128 + SIGPIPE, as a shell reports a Unix tool whose reader went away.
+EXIT_BROKEN_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _run(args)
+        status = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        return status
+    except BrokenPipeError:
+        # The reader went away (``check | head -2``): stop quietly, as Unix tools do. stdout now
+        # points at devnull, so the interpreter's own flush at exit has nowhere to fail.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     except (StopNow, KeyboardInterrupt):
         # A second signal (StopNow), or a Ctrl-C before or after a command's own handlers.
         print(f"{settings.PROG} {args.command}: interrupted", file=sys.stderr)

@@ -17,13 +17,15 @@ from __future__ import annotations
 import argparse
 import csv
 import importlib
+import io
 import itertools
 import os
 import re
 from typing import TYPE_CHECKING, NoReturn
 
+from vllm_flydsl_indexer import files
 from vllm_flydsl_indexer.tools import settings
-from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS
+from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS, MODEL_SHAPES
 from vllm_flydsl_indexer.tools.settings import (
     BENCH_ARMS,
     BENCH_CPU_GRID,
@@ -61,6 +63,7 @@ __all__ = [
     "add_check_arguments",
     "arm_list",
     "block_size_list",
+    "check_model",
     "default_device_type",
     "device",
     "device_problem",
@@ -68,6 +71,7 @@ __all__ = [
     "non_negative_int",
     "output_path",
     "output_problem",
+    "plot_format_problem",
     "positive_int",
     "positive_int_list",
     "seed",
@@ -131,6 +135,16 @@ def _items(text: str) -> list[str] | None:
     return None if any(not x for x in items) else items
 
 
+def _once(values: tuple, text: str) -> tuple:
+    """``values``, refused when one repeats (a tuned table would get two rows of one key)."""
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(
+            f"must list each value once, got {text!r} ({', '.join(repeated)} twice)"
+        )
+    return values
+
+
 def positive_int_list(text: str) -> tuple[int, ...]:
     items = _items(text)
     values = tuple(_int(x) for x in items or ())
@@ -138,17 +152,17 @@ def positive_int_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(
             f"must be a comma list of positive integers (e.g. 1,2), got {text!r}"
         )
-    return values  # type: ignore[return-value]
+    return _once(values, text)
 
 
 def block_size_list(text: str) -> tuple[int, ...]:
-    values = [_int(x) for x in _items(text) or ()]
+    values = tuple(_int(x) for x in _items(text) or ())
     if not values or any(v is None or v < 1 or (v > 1 and v % BLOCK_ALIGN) for v in values):
         raise argparse.ArgumentTypeError(
             f"must be a comma list of KVBlockSize values, each 1 or a multiple of {BLOCK_ALIGN} "
             f"(e.g. 64,1), got {text!r}"
         )
-    return tuple(values)  # type: ignore[arg-type]
+    return _once(values, text)
 
 
 def head_dim(text: str) -> int:
@@ -171,7 +185,28 @@ def arm_list(text: str) -> str:
     unknown = [n for n in names if n not in BENCH_ARMS]
     if not names or unknown:
         raise argparse.ArgumentTypeError(f"must be a comma list of {', '.join(BENCH_ARMS)}, got {text!r}")
-    return ",".join(names)  # bench splits it
+    return ",".join(_once(names, text))  # bench splits it
+
+
+def check_model(text: str) -> str:
+    """check's shape name for ``--model``: a shape name, ``all``, or anything ``doctor --model`` takes."""
+    if text == "all" or text in BY_NAME:
+        return text
+    from vllm_flydsl_indexer.tools import reach
+
+    try:
+        model_type, config = reach.resolve(text)
+    except reach.ModelError as e:
+        why = str(e).removeprefix(f"--model {text}: ")
+        raise argparse.ArgumentTypeError(f"{why} (or all)" if "expected" in why else why) from None
+    heads, head_dim, _ = reach.shape_of(config, reach.MODELS[model_type])
+    name = next((m.name for m in MODEL_SHAPES if (m.heads, m.head_dim) == (heads, head_dim)), None)
+    if name is None:
+        shapes = ", ".join(f"{m.name} {m.heads}x{m.head_dim}" for m in MODEL_SHAPES)
+        raise argparse.ArgumentTypeError(
+            f"{text}'s indexer is heads={heads} head_dim={head_dim}, none of check's shapes ({shapes})"
+        )
+    return name
 
 
 def output_path(text: str) -> str:
@@ -183,6 +218,9 @@ def output_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"directory {directory} does not exist (file {text!r})")
     if not os.access(directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"directory {directory} is not writable (file {text!r})")
+    problem = files.kind_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     if os.path.exists(text) and not os.access(text, os.W_OK):
         raise argparse.ArgumentTypeError(f"file {text!r} exists and is not writable")
     return text
@@ -192,7 +230,13 @@ def output_path(text: str) -> str:
 
 
 def add_check_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", choices=[*BY_NAME, "all"], default="all", help="indexer shape (default: all)")
+    p.add_argument(
+        "--model",
+        type=check_model,
+        default="all",
+        help=f"indexer shape: all (the default), {', '.join(BY_NAME)}, or what doctor --model takes "
+        "(a model directory or a model_type), run as its shape",
+    )
     p.add_argument(
         "--batch",
         type=positive_int,
@@ -214,16 +258,21 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
         type=block_size_list,
         help=f"comma list of KVBlockSize, each 1 or a multiple of 16 (default {_csv(CHECK_BLOCKS)})",
     )
-    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--reference", action="store_true", help="compare reference contracts even on gfx950")
     p.add_argument(
         "--topk",
         type=positive_int,
         help=f"top-k compared per row, at most --context-len (default {DEFAULT_TOPK}, vLLM's index_topk; "
         "a row shorter than that is compared whole)",
     )
+    _add_run_arguments(p, "compare reference contracts even on gfx950", "case")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser, reference: str, unit: str) -> None:
+    """--device, --reference and --seed, which check and bench share (``unit``: what seed+i seeds)."""
+    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
+    p.add_argument("--reference", action="store_true", help=reference)
     p.add_argument(
-        "--seed", type=seed, default=0, help="seed of the random inputs; case i uses seed+i (default 0)"
+        "--seed", type=seed, default=0, help=f"seed of the random inputs; {unit} i uses seed+i (default 0)"
     )
 
 
@@ -282,11 +331,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])})",
     )
-    p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-    p.add_argument("--reference", action="store_true", help="run the calls over the reference contracts")
-    p.add_argument(
-        "--seed", type=seed, default=0, help="seed of the random inputs; shape i uses seed+i (default 0)"
-    )
+    _add_run_arguments(p, "run the calls over the reference contracts", "shape")
     p.add_argument("--json", dest="json_path", type=output_path, help="write results as JSON")
     p.add_argument("--csv", dest="csv_path", type=output_path, help="write results as CSV")
     p.add_argument(
@@ -476,18 +521,19 @@ def tune_file(path: str) -> tuple[list[TunedRow], str | None]:
     merged into (it is not aiter's format or has a row ``tuning.check_row`` refuses), or ``None``."""
     from vllm_flydsl_indexer import tuning
 
-    if not os.path.isfile(path) or os.path.getsize(path) == 0:
+    if not os.path.lexists(path):
         return [], None  # a new table
     try:
-        with open(path, encoding="utf-8", newline="") as f:
-            if tuple(next(csv.reader(f), ())) != tuning.COLUMNS:
-                return [], (
-                    f"argument --tune: {path} is not an aiter-format tuned CSV (header "
-                    f"{','.join(tuning.COLUMNS)}); not overwriting it: "
-                    "give a new, empty or earlier --tune file"
-                )
-            f.seek(0)
-            return tuning.read_rows(f, path), None
+        text = files.read_text(path)
+        if not text:
+            return [], None  # an empty file: a new table
+        if tuple(next(csv.reader(io.StringIO(text, newline="")), ())) != tuning.COLUMNS:
+            return [], (
+                f"argument --tune: {path} is not an aiter-format tuned CSV (header "
+                f"{','.join(tuning.COLUMNS)}); not overwriting it: "
+                "give a new, empty or earlier --tune file"
+            )
+        return tuning.read_rows(io.StringIO(text, newline=""), path), None
     except tuning.TableError as e:
         return [], f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)"
     except (OSError, UnicodeError, csv.Error, ValueError) as e:
@@ -498,23 +544,19 @@ OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot
 
 
 def output_problem(args: argparse.Namespace) -> str | None:
-    """Open every output file for writing now, before the run; a new file is removed again."""
-    for attr, flag in OUTPUTS:
-        path = getattr(args, attr, None)
-        if not path:
-            continue
-        existed = os.path.lexists(path)
-        try:
-            with open(path, "a"):
-                pass
-        except OSError as e:
-            return f"argument {flag}: cannot open {path} for writing ({e.strerror or e})"
-        if not existed:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
-    return None
+    """Every output file, checked for writing now, before the run (:func:`files.outputs_problem`)."""
+    return files.outputs_problem(
+        (flag, getattr(args, attr)) for attr, flag in OUTPUTS if getattr(args, attr, None)
+    )
+
+
+def plot_format_problem(path: str, formats: dict[str, str]) -> str | None:
+    """Why matplotlib (writing ``formats``) cannot write ``path`` (no extension: PNG), or ``None``."""
+    extension = os.path.splitext(path)[1][1:].lower()
+    if not extension or extension in formats:
+        return None
+    accepted = ", ".join(sorted(formats))
+    return f"argument --plot: matplotlib cannot write .{extension} files; accepted: {accepted}"
 
 
 def validate(args: argparse.Namespace) -> str | None:
@@ -530,7 +572,9 @@ def validate(args: argparse.Namespace) -> str | None:
     problem = problem or _bench_sizes_problem(args)
     if problem is None and args.plot_path and not tuning:
         try:
-            importlib.import_module("matplotlib")
+            canvas = importlib.import_module("matplotlib.backend_bases").FigureCanvasBase
         except ImportError:
             problem = f"argument --plot: needs matplotlib, which is not importable here ({PLOT_HINT})"
+        else:
+            problem = plot_format_problem(args.plot_path, canvas.get_supported_filetypes())
     return problem or output_problem(args)

@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
-from vllm_flydsl_indexer import envs, gates, tuning
+from vllm_flydsl_indexer import envs, files, gates, tuning
 from vllm_flydsl_indexer.identification import AITER_DISTRIBUTIONS, installed_version
 from vllm_flydsl_indexer.kernels import (
     BLOCK_OUTER_LAYOUTS,
@@ -211,8 +211,7 @@ def ray_non_carry_over_report(environ: dict[str, str] | None = None) -> dict[str
     path = os.path.join(_vllm_config_root(environ), RAY_NON_CARRY_OVER_FILE)
     data: dict[str, Any] = {"file": path, "listed": [], "warning": None}
     try:
-        with open(path, encoding="utf-8") as f:
-            names = set(json.load(f))
+        names = set(json.loads(files.read_text(path)))  # a FIFO or device here is a note, never a hang
     except FileNotFoundError:
         return data | {"note": f"no {path}: Ray workers get the plugin's variables"}
     except (OSError, ValueError, TypeError) as e:
@@ -351,7 +350,7 @@ def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
     failing = [(i, g) for i, g in enumerate(data["gates"], 1) if not g["ok"] and not g.get("skipped")]
     if failing and data["reason"] == failing[0][1]["detail"]:
         i, gate = failing[0]
-        data["reason"] = f"gate {i}, {gate['name']}, above"
+        data["reason"] = f"gate {i}, {gate['name']}, below"
     return data
 
 
@@ -394,7 +393,14 @@ def _batch_ranges(buckets: list[dict[str, Any]]) -> str:
 
 
 def render(data: dict[str, Any]) -> str:
-    out = ["vllm-flydsl-indexer doctor", "", "versions:"]
+    """The answer first (the arm, its one reason, the log line, the warnings), then the details."""
+    pointed = _pointing_to_gates(data)
+    arm = {"flydsl": "FlyDSL", "vllm": "vLLM's own route (the plugin patches nothing)"}.get(
+        data["arm"], f"stock ({data['stock']})"
+    )
+    out = [f"arm:      {arm}  ({pointed['reason']})", f"log line: {data['log_line']}"]
+    out += [f"warning:  {w}" for w in pointed["warnings"]]
+    out += ["", "versions:"]
     out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
     needs = data["flydsl_for_aiter"]
     out.append(f"  {'':<8} warning: {needs['warning']}" if needs["warning"] else f"  {'':<8} {needs['note']}")
@@ -419,7 +425,6 @@ def render(data: dict[str, Any]) -> str:
             note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
             first_failure_seen = True
         out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
-    data = _pointing_to_gates(data)
     kernel = data["kernel"]
     if kernel is not None:
         out += ["", f"kernel:   {kernel['variant']}: {kernel['description']} ({kernel['location']})"]
@@ -440,14 +445,8 @@ def render(data: dict[str, Any]) -> str:
     if layout["block_outer"]:
         variable = f"{LAYOUT_VARIABLE}={layout['variable']}"
         out.append(f"          {variable} is set here and is block-outer: every indexer call will stay stock")
-    arm = {"flydsl": "FlyDSL", "vllm": "vLLM's own route (the plugin patches nothing)"}.get(
-        data["arm"], f"stock ({data['stock']})"
-    )
-    out += ["", f"arm:      {arm}  ({data['reason']})"]
-    out += [f"log line: {data['log_line']}"]
-    out += [f"warning:  {w}" for w in data["warnings"]]
     ray = data["ray_non_carry_over"]
-    out.append(f"warning:  {ray['warning']}" if ray["warning"] else f"ray:      {ray['note']}")
+    out += ["", f"warning:  {ray['warning']}" if ray["warning"] else f"ray:      {ray['note']}"]
     if "model" in data:
         from vllm_flydsl_indexer.tools import reach
 

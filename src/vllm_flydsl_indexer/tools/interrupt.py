@@ -5,7 +5,7 @@ The first SIGINT or SIGTERM asks for a stop: the tool finishes the shape (or
 case) it is on, then writes and prints what finished and exits
 :data:`EXIT_INTERRUPTED`. A second one raises :class:`StopNow` at once; the
 CLI turns that into one line and the same exit status, never a traceback.
-Output files are replaced atomically (:func:`write_atomic`), so an interrupted
+Output files are replaced atomically (``files.write_atomic``), so an interrupted
 write leaves the old file, never half of a new one.
 
 Tools wing only: the plugin never imports this module.
@@ -13,16 +13,13 @@ Tools wing only: the plugin never imports this module.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
-import tempfile
 import threading
-from collections.abc import Callable
 from types import FrameType
 from typing import IO, Any
 
+from vllm_flydsl_indexer.files import write_atomic, write_atomic_bytes
 from vllm_flydsl_indexer.tools.settings import PROG
 
 __all__ = [
@@ -85,44 +82,3 @@ class StopSignal:
 def interrupted_note(done: int, total: int) -> str:
     """The last line of an interrupted run."""
     return f"interrupted after {done}/{total}"
-
-
-def _replace_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a temporary file beside ``path`` with ``write``, sync it, then rename it over ``path``."""
-    directory, name = os.path.split(os.path.abspath(path))
-    try:
-        mode = os.stat(path).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o644 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_atomic(path: str, text: str, newline: str | None = None) -> None:
-    """Replace ``path`` with ``text`` all at once: readers see the old file or the new one.
-
-    UTF-8; ``newline`` as for :func:`open` (``""``: no translation). The mode
-    of an existing file is kept; a new file gets 0o644 less the umask.
-    """
-
-    if newline not in ("", "\n"):
-        text = text.replace("\n", os.linesep if newline is None else newline)
-    data = text.encode("utf-8")
-    _replace_atomic(path, lambda f: f.write(data))
-
-
-def write_atomic_bytes(path: str, data: bytes) -> None:
-    """:func:`write_atomic` for bytes (a rendered plot)."""
-    _replace_atomic(path, lambda f: f.write(data))

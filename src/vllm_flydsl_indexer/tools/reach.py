@@ -25,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from vllm_flydsl_indexer import files
 from vllm_flydsl_indexer.callers import (
     CALL_SITES,
     DEFINING_MODULE,
@@ -36,10 +37,16 @@ from vllm_flydsl_indexer.callers import (
 from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
 
 __all__ = [
+    "BLOCK_OUTER",
+    "LAYER_CONTIGUOUS",
     "MODELS",
+    "PINNED_MXFP4_MODELS",
+    "PINNED_RELEASES",
     "ModelError",
     "ModelReach",
     "ROCM_SPARSE_MLA",
+    "SHAPE_FIELDS",
+    "SHAPE_MODEL_TYPES",
     "V32_INDEXER",
     "accepted",
     "assess",
@@ -48,6 +55,7 @@ __all__ = [
     "render",
     "resolve",
     "resolved_layout",
+    "shape_of",
 ]
 
 if TYPE_CHECKING:
@@ -56,6 +64,12 @@ if TYPE_CHECKING:
 _MLA = "vllm.v1.attention.backends.mla"
 ROCM_SPARSE_MLA = f"{_MLA}.rocm_aiter_mla_sparse:ROCMAiterMLASparseBackend"
 V32_INDEXER = f"{_MLA}.indexer:DeepseekV32IndexerBackend"
+# vLLM's KvCacheLayout names: layer-contiguous, and block-outer (a strided kv_cache for the indexer).
+LAYER_CONTIGUOUS, BLOCK_OUTER = "LBNHC", "BLHNC"
+# The model types vLLM 0.33.0 and 0.34.0 default to the MXFP4 indexer (0.32.x: none); what doctor
+# answers without a vLLM to read it from. tests/test_files.py pins both against the installed vLLM.
+PINNED_MXFP4_MODELS = frozenset({"deepseek_v4"})
+PINNED_RELEASES = "vLLM 0.33.0 and 0.34.0"
 
 
 @dataclass(frozen=True)
@@ -75,6 +89,8 @@ class ModelReach:
     head_dim: int
     # Indexer cache rows per block (KVBlockSize) of the call.
     block_sizes: tuple[int, ...]
+    # The KV cache layout vLLM 0.33.0 and 0.34.0 resolve for ``backends``: doctor's answer without a vLLM.
+    layout: str
     note: str = ""
 
 
@@ -91,6 +107,7 @@ MODELS: dict[str, ModelReach] = {
             BY_NAME["deepseek-v3.2"].heads,
             BY_NAME["deepseek-v3.2"].head_dim,
             REPORT_BLOCK_SIZES,
+            LAYER_CONTIGUOUS,
         ),
         ModelReach(
             "glm_moe_dsa",
@@ -102,6 +119,7 @@ MODELS: dict[str, ModelReach] = {
             BY_NAME["glm-5"].heads,
             BY_NAME["glm-5"].head_dim,
             REPORT_BLOCK_SIZES,
+            LAYER_CONTIGUOUS,
         ),
         ModelReach(
             "deepseek_v4",
@@ -113,6 +131,7 @@ MODELS: dict[str, ModelReach] = {
             64,
             128,
             (64,),  # the backend's 256-token blocks at ratio 4
+            BLOCK_OUTER,
             note="only its compress-ratio-4 (C4A) layers have an indexer",
         ),
         ModelReach(
@@ -127,6 +146,7 @@ MODELS: dict[str, ModelReach] = {
             BY_NAME["glm-5"].heads,
             BY_NAME["glm-5"].head_dim,
             (64, 32),  # the backend's 64-token blocks on gfx950 (capability family 90) at ratio 1 and 2
+            BLOCK_OUTER,
         ),
         ModelReach(
             "glm5_next",
@@ -138,6 +158,7 @@ MODELS: dict[str, ModelReach] = {
             64,
             128,
             (64, 32),  # vLLM's paged-MQA page sizes, in pool entries
+            BLOCK_OUTER,
             note="its bounds are pooled by index_kpool > 1 although it passes no compress_ratio",
         ),
     )
@@ -148,33 +169,66 @@ class ModelError(ValueError):
     """``--model`` names neither a known model type nor a directory with a readable config.json."""
 
 
+# check --model's shape names (tools/models.py), accepted by doctor --model as the model each names first.
+SHAPE_MODEL_TYPES = {"deepseek-v3.2": "deepseek_v32", "glm-5": "glm_moe_dsa"}
+
+
 def accepted() -> str:
-    return f"a Hugging Face model directory with a config.json, or one of {', '.join(MODELS)}"
+    return (
+        f"a Hugging Face model directory with a config.json, or one of {', '.join(MODELS)} "
+        f"(or {', '.join(SHAPE_MODEL_TYPES)})"
+    )
+
+
+# The config.json fields doctor reads besides model_type, each a positive integer when present.
+SHAPE_FIELDS = ("index_n_heads", "index_head_dim")
+# Larger than any indexer's heads or head_dim by far; a bigger value is a broken config.
+SHAPE_FIELD_LIMIT = 1 << 16
+
+
+def _config_problem(config: object) -> str | None:
+    """What in a parsed config.json is not what doctor reads (the field, and what is accepted)."""
+    if not isinstance(config, dict):
+        return f"is {type(config).__name__}, not a JSON object"
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in MODELS:
+        return f"field model_type is {model_type!r}; accepted: one of {', '.join(MODELS)}"
+    for name in SHAPE_FIELDS:
+        value = config.get(name)
+        if value is not None and (
+            type(value) is not int or not 0 < value <= SHAPE_FIELD_LIMIT  # bool, float, NaN, 1e400: no
+        ):
+            return f"field {name} is {value!r}; accepted: an integer in [1, {SHAPE_FIELD_LIMIT}], or absent"
+    return None
 
 
 def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
-    """``(model_type, config)`` of ``--model``: a model directory, or a bare model type (config ``None``)."""
+    """``(model_type, config)`` of ``--model``: a model directory, a bare model type (config ``None``),
+    or one of ``check --model``'s shape names (the model type it names first)."""
     path = Path(arg)
     if path.is_dir():
+        config_file = path / "config.json"
         try:
-            config = json.loads((path / "config.json").read_text())
+            config = json.loads(files.read_text(str(config_file)))
         except (OSError, ValueError) as e:
             raise ModelError(
-                f"--model {arg}: no readable config.json ({type(e).__name__}); expected {accepted()}"
+                f"--model {arg}: no readable config.json ({type(e).__name__}: {e}); expected {accepted()}"
             ) from None
-        model_type = config.get("model_type") if isinstance(config, dict) else None
-        if model_type not in MODELS:
-            raise ModelError(
-                f"--model {arg}: config.json has model_type {model_type!r}; expected {accepted()}"
-            )
-        return model_type, config
-    if arg not in MODELS:
+        problem = _config_problem(config)
+        if problem is not None:
+            raise ModelError(f"--model {arg}: {config_file} {problem}")
+        return config["model_type"], config
+    model_type = SHAPE_MODEL_TYPES.get(arg, arg)
+    if model_type not in MODELS:
         raise ModelError(f"--model {arg}: not a directory or a known model type; expected {accepted()}")
-    return arg, None
+    return model_type, None
 
 
 def _vllm_file(module: str) -> Path | None:
-    spec = importlib.util.find_spec("vllm")
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):  # no vLLM, or one without a spec
+        return None
     if spec is None or not spec.origin:
         return None
     path = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
@@ -242,7 +296,8 @@ def c4a_objection(compress_ratio: int, block_size: int) -> str | None:
     return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
 
 
-def _shape(config: dict[str, Any] | None, model: ModelReach) -> tuple[int, int, str]:
+def shape_of(config: dict[str, Any] | None, model: ModelReach) -> tuple[int, int, str]:
+    """``(heads, head_dim, where from)``: config.json's fields when both are given, else the table's."""
     if config is not None and config.get("index_n_heads") and config.get("index_head_dim"):
         return int(config["index_n_heads"]), int(config["index_head_dim"]), "config.json"
     return model.heads, model.head_dim, "this package's model table"
@@ -255,20 +310,30 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
 
     model = MODELS[model_type]
     reasons: list[str] = []
-    mxfp4 = mxfp4_default_models()
+    has_vllm = _vllm_file("vllm") is not None
+    # Without a vLLM: this package's pinned answers, and one line saying which parts they are.
+    not_read = (
+        [] if has_vllm else ["the MXFP4 default", "the KV cache layout", "the C4A route", "the call site"]
+    )
+    mxfp4 = mxfp4_default_models() if has_vllm else PINNED_MXFP4_MODELS
+    pinned = "" if has_vllm else f", pinned for {PINNED_RELEASES}"
     if mxfp4 is not None and model_type in mxfp4:
-        path = f"MXFP4 (vLLM's default on CDNA4 with aiter: platforms/rocm.py {MXFP4_DEFAULT_FUNCTION})"
+        path = (
+            f"MXFP4 (vLLM's default on CDNA4 with aiter: platforms/rocm.py {MXFP4_DEFAULT_FUNCTION}{pinned})"
+        )
         reasons.append(mxfp4_reason(model_type))
     elif mxfp4 is None:
         path = "unknown (vLLM's platforms/rocm.py unreadable)"
     else:
-        path = "FP8 (indexer_kv_dtype 'auto' resolves to fp8)"
+        path = f"FP8 (indexer_kv_dtype 'auto' resolves to fp8{pinned})"
     try:
-        layout, contiguous = resolved_layout(model.backends)
+        layout, contiguous = resolved_layout(model.backends) if has_vllm else (model.layout, True)
     except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
         layout, contiguous = f"unknown ({type(e).__name__}: {e})", True
+    if not has_vllm:
+        contiguous = layout == LAYER_CONTIGUOUS
     backends = ", ".join(b.split(":")[1] for b in model.backends)
-    for ratio in model.compress_ratios:
+    for ratio in model.compress_ratios if has_vllm else ():
         c4a = c4a_objection(ratio, max(model.block_sizes))
         if c4a is not None:
             reasons.append(c4a)
@@ -278,9 +343,9 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
             f"so this layer stays on the stock path. {BLOCK_OUTER_NOTE}"
         )
     site = CALL_SITES.get(model.call_site)
-    if _vllm_file(model.call_site) is None:
+    if has_vllm and _vllm_file(model.call_site) is None:
         reasons.append(f"the installed vLLM has no {model.call_site}: {model.label} does not call it")
-    heads, head_dim, shape_source = _shape(config, model)
+    heads, head_dim, shape_source = shape_of(config, model)
     variant = decision.variant
     contract = (
         f"the found kernel {variant.name}" if variant else "the general FlyDSL contract (no kernel found)"
@@ -324,6 +389,7 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
         "reaches_flydsl": allows and decision.active,
         "reason": reasons[0] if reasons else None,
         "reasons": reasons,
+        "not_read_from_vllm": not_read,
     }
 
 
@@ -347,4 +413,9 @@ def render(data: dict[str, Any]) -> list[str]:
         f"  verdict:        {verdict}" + (f": {data['reason']}" if data["reason"] else ""),
     ]
     out += [f"  then:           {r}" for r in data["reasons"][1:]]
+    if data["not_read_from_vllm"]:
+        out.append(
+            f"  no vLLM here:   {', '.join(data['not_read_from_vllm'])} could not be read from a vLLM; "
+            f"this package's answers for {PINNED_RELEASES} are shown"
+        )
     return out

@@ -30,6 +30,7 @@ __all__ = [
     "LIMITS",
     "LOGIT_BYTES",
     "PROG",
+    "REAL_CHECK",
     "TUNE_GPU_GRID",
     "TUNE_MAX_MODEL_LEN",
     "TUNE_REFERENCE_GRID",
@@ -54,6 +55,8 @@ BENCH_ARMS = (
 )
 DEVICES = "cpu, cuda or cuda:N"
 SEED_LIMIT = 2**32  # each case adds its index; torch takes seeds below 2**64
+# The one command that runs check on the real kernels (README's second first command).
+REAL_CHECK = f"VLLM_ROCM_USE_AITER=1 {PROG} check"
 PLOT_HINT = "pip install matplotlib, or pip install -e '.[plot]' in the clone"
 
 # What the tools can run: FlyDSL addresses the KV pool with i32 offsets (a case

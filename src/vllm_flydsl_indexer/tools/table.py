@@ -3,17 +3,53 @@
 
 from __future__ import annotations
 
+import textwrap
+
 __all__ = [
+    "WIDTH",
     "format_table",
 ]
 
+# A terminal's columns the tables fit in: the widest columns wrap at spaces onto the row's next lines.
+WIDTH = 120
+GAP = "  "
 
-def format_table(rows: list[tuple[str, ...]]) -> list[str]:
-    """``rows`` (the header first) in padded columns, a rule under the header."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
 
-    def fmt(row: tuple[str, ...]) -> str:
-        return "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+def _narrowest(cells: list[str]) -> int:
+    """The width a column can wrap down to: its longest word."""
+    return max((len(word) for cell in cells for word in cell.split()), default=0)
+
+
+def format_table(rows: list[tuple[str, ...]], width: int = WIDTH, keep: int = 1) -> list[str]:
+    """``rows`` (the header first) in padded columns, a rule under the header.
+
+    Wider than ``width``, the widest of the columns after the first ``keep`` (each row's key,
+    never wrapped) wrap at spaces, a row taking more lines, until the table fits or no column
+    can wrap further.
+    """
+    columns = list(zip(*rows, strict=True))
+    widths = [max(map(len, column)) for column in columns]
+    floors = [
+        w if i < keep else _narrowest(list(c)) for i, (w, c) in enumerate(zip(widths, columns, strict=True))
+    ]
+    while sum(widths) + len(GAP) * (len(widths) - 1) > width:
+        shrinkable = [i for i, w in enumerate(widths) if w > floors[i]]
+        if not shrinkable:
+            break
+        widest = max(shrinkable, key=lambda i: widths[i])
+        widths[widest] -= 1
+
+    def fmt(row: tuple[str, ...]) -> list[str]:
+        cells = [
+            textwrap.wrap(cell, w, break_long_words=False) or [""]
+            for cell, w in zip(row, widths, strict=True)
+        ]
+        return [
+            GAP.join(
+                (cell[k] if k < len(cell) else "").ljust(w) for cell, w in zip(cells, widths, strict=True)
+            ).rstrip()
+            for k in range(max(map(len, cells)))
+        ]
 
     header, *body = rows
-    return [fmt(header), fmt(tuple("-" * w for w in widths)), *[fmt(row) for row in body]]
+    return [*fmt(header), GAP.join("-" * w for w in widths), *[line for row in body for line in fmt(row)]]

@@ -265,7 +265,10 @@ def tune_rows(
         rows.append(row)
         sweep.done += 1
         measured = ", ".join(f"{name} {scores[name]:.1f} us" for name in scores)
-        print(f"tune: {label} ctx {row['context_len']}: {measured} -> {winner}", file=sys.stderr)
+        print(
+            f"tune: [{sweep.done}/{sweep.planned}] {label} ctx {row['context_len']}: {measured} -> {winner}",
+            file=sys.stderr,
+        )
     return rows
 
 
@@ -291,6 +294,7 @@ def table_text(earlier: list[tuning.TunedRow], rows: list[dict[str, object]]) ->
     """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest are kept as read."""
     import csv
 
+    rows = list({_row_id(r): r for r in rows}.values())  # one row per key: the last measured
     new_ids = {_row_id(r) for r in rows}
     kept = [r.text for r in earlier if (r.gfx, r.key) not in new_ids]
     out = io.StringIO()
