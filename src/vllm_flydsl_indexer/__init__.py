@@ -88,7 +88,10 @@ def _register(logger: logging.Logger) -> None:
             from vllm_flydsl_indexer import tuning
 
             table = tuning.load(tuning.env_source(), tuning.arch_of(decision.gcn_arch or ""), logger)
-        patch.install(decision.target_module, decision.variant, logger, verifier, table)
+        self_test = envs.read_self_test()
+        if self_test.error:
+            decision.warnings.append(self_test.error)
+        patch.install(decision.target_module, decision.variant, logger, verifier, table, self_test.enabled)
     line = decision.log_line()
     if decision.warnings:
         line = f"{line} [{'; '.join(decision.warnings)}]"
