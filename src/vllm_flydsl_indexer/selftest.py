@@ -32,7 +32,9 @@ SEED = 20251205
 def synthetic_lengths(block_size: int, next_n: int) -> list[int]:
     """Sequence lengths (new tokens included): empty, a partial block, whole blocks, several blocks."""
     block = max(block_size, 16)  # KVBlockSize 1: still several tokens per "block" of work
-    return [0, block // 2 + next_n, 2 * block, 3 * block + block // 2 + next_n]
+    partial = max(next_n + 1, block // 2 + 1)  # every sequence's rows but the first see columns
+    partial += partial % block == 0
+    return [0, partial, 2 * block, 3 * block + partial]
 
 
 def _width(block_size: int, next_n: int) -> tuple[int, int]:
