@@ -107,9 +107,9 @@ def run(
 
     ``stock(args)`` is vLLM's original, which takes its output from vLLM's
     workspace (``stock_buffer(rows, max_model_len)`` is that same view, poisoned
-    first); its small answer is copied out before FlyDSL runs, and FlyDSL
-    writes a buffer of its own, so the live call's output, obtained after, is
-    not touched. ``flydsl(args, out)`` launches exactly as the router launches
+    first); its small answer is copied out and the workspace bytes it used are
+    put back, and FlyDSL writes a buffer of its own, so the live call's output,
+    obtained after from the same workspace, finds it as it was. ``flydsl(args, out)`` launches exactly as the router launches
     a real call. Else a message saying what differed. Raises what an arm raises.
     ``exact_writes``: FlyDSL must write exactly the columns the consumers read
     (``False`` for aiter's dispatcher, which may pick Gluon and its ``-inf`` past them).
@@ -117,8 +117,11 @@ def run(
     q_fp8, _, _, context_lens, _, _, max_model_len = args
     batch, next_n = q_fp8.shape[:2]
     rows = batch * next_n
-    stock_buffer(rows, max_model_len).fill_(float("nan"))
+    buffer = stock_buffer(rows, max_model_len)
+    saved = buffer.clone()
+    buffer.fill_(float("nan"))
     expected = stock(args).clone()
+    stock_buffer(rows, max_model_len).copy_(saved)
     actual = torch.full((rows, max_model_len), float("nan"), dtype=torch.float32, device=q_fp8.device)
     flydsl(args, actual)
     ends = read_window_ends(context_lens, rows, next_n)
