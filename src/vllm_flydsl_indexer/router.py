@@ -57,6 +57,8 @@ __all__ = [
     "KernelConfig",
     "MAX_MEMOISED_VERDICTS",
     "Route",
+    "canary_sequences",
+    "describe_configuration",
 ]
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
@@ -103,9 +105,14 @@ class Route:
 
     def describe(self) -> str:
         """The configuration in words, for the log."""
-        knobs = " ".join(f"{k}={v}" for k, v in sorted(self.kwargs.items()) if k != "KVBlockSize")
-        assert self.config is not None
-        return f"{self.config.describe()} {knobs}".rstrip()
+        return describe_configuration(self.key)
+
+
+def describe_configuration(key: tuple) -> str:
+    """A :attr:`Route.key` in words: the shape, then every launch knob but KVBlockSize (named already)."""
+    config, knobs = key
+    named = " ".join(f"{k}={v}" for k, v in knobs if k != "KVBlockSize")
+    return f"{config.describe()} {named}".rstrip()
 
 
 class FlyDSLRouter:
@@ -146,10 +153,11 @@ class FlyDSLRouter:
         self.is_capturing = is_capturing
         self.self_test = self_test
         self.compiled: set[KernelConfig] = set()
-        # Keyed by Route.key: the configurations that failed, and each self-test's outcome.
-        self.failed: dict[tuple, str] = {}
+        # The shapes that failed (their self-test, a launch or the canary), whatever the knobs; and
+        # each configuration's self-test outcome, keyed by Route.key.
+        self.failed: dict[KernelConfig, str] = {}
         self.self_tests: dict[tuple, str | None] = {}
-        self._verified: set[tuple] = set()
+        self.verified: set[tuple] = set()  # the configurations the canary checked
         self._routes: dict[tuple, Route] = {}
         self.calls_taken = 0
         self.calls_delegated = 0
@@ -171,6 +179,8 @@ class FlyDSLRouter:
         batch, next_n, heads, head_dim = call.q_fp8.shape
         block_size = call.kv_cache.shape[1]
         config = KernelConfig(heads, head_dim, block_size, next_n)
+        if config in self.failed:
+            return Route(self.failed[config])
         # The table rule has passed: a FlyDSL pick here is launched with its row's knob, as measured.
         pick = tuning.pick_for(call, self, cus)
         wg_per_cu = pick.wg_per_cu if pick is not None else 0
@@ -178,10 +188,7 @@ class FlyDSLRouter:
         note = self.variant.describe_launch(wg_per_cu)
         if pick is not None:
             note = f"{tuning.where(self.table, pick, cus)} measured FlyDSL faster; {note}"
-        route = Route(None, config, call.caller, kwargs, f"; {note}")
-        if route.key in self.failed:
-            return Route(self.failed[route.key])
-        return route
+        return Route(None, config, call.caller, kwargs, f"; {note}")
 
     def _drop_foreign_table(self, cus: int) -> None:
         """A table with no rows for this GPU's CU count is dropped, with one WARNING."""
@@ -244,8 +251,8 @@ class FlyDSLRouter:
         config = route.config
         assert config is not None
         key = route.key
-        if key in self.failed:
-            return self._delegate(self.failed[key], args, compress_ratio)
+        if config in self.failed:
+            return self._delegate(self.failed[config], args, compress_ratio)
         capturing = self.is_capturing()
         if capturing and self.self_test and key not in self.self_tests:
             # The self-test allocates and syncs: never inside capture. This graph keeps stock.
@@ -269,8 +276,8 @@ class FlyDSLRouter:
             self.self_tests[key] = problem
             if problem is not None:
                 return self._config_failed(route, f"self-test failed: {problem}", args, compress_ratio)
-        if self.verifier is not None and not capturing and key not in self._verified:
-            self._verified.add(key)
+        if self.verifier is not None and not capturing and key not in self.verified:
+            self.verified.add(key)
             return self._verified_call(route, args, compress_ratio)
         return self._launch(route, args, compress_ratio)
 
@@ -351,10 +358,11 @@ class FlyDSLRouter:
         return self._config_failed(route, f"raised {type(error).__name__}: {error}", args, compress_ratio)
 
     def _config_failed(self, route: Route, problem: str, args: tuple, compress_ratio: int) -> torch.Tensor:
-        """This configuration stays stock for good, with one ERROR; this call gets stock's answer."""
-        key = route.key
-        self.failed[key] = f"FlyDSL for {route.describe()} earlier {problem}"
-        self.compiled.discard(route.config)
+        """This configuration (its shape, whatever the knobs) stays stock for good, with one ERROR;
+        this call gets stock's answer."""
+        config = route.config
+        self.failed[config] = f"FlyDSL for {route.describe()} earlier {problem}"
+        self.compiled.discard(config)
         self._routes.clear()  # every memoised route of this configuration now says stock
         self.logger.error(
             "%s %s (%s) %s (%s). This call and every later call of this configuration use the stock path.",

@@ -109,8 +109,9 @@ def run(
     workspace (``stock_buffer(rows, max_model_len)`` is that same view, poisoned
     first); its small answer is copied out and the workspace bytes it used are
     put back, and FlyDSL writes a buffer of its own, so the live call's output,
-    obtained after from the same workspace, finds it as it was. ``flydsl(args, out)`` launches exactly as the router launches
-    a real call. Else a message saying what differed. Raises what an arm raises.
+    obtained after from the same workspace, finds it as it was. ``flydsl(args, out)``
+    launches exactly as the router launches a real call. Else a message saying what
+    differed. Raises what an arm raises.
     ``exact_writes``: FlyDSL must write exactly the columns the consumers read
     (``False`` for aiter's dispatcher, which may pick Gluon and its ``-inf`` past them).
     """

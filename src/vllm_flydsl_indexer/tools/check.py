@@ -42,7 +42,7 @@ import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.identification import KernelLookup, find_kernel
-from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.router import FlyDSLRouter, describe_configuration
 from vllm_flydsl_indexer.tools import behaviour, settings
 from vllm_flydsl_indexer.tools.arms import Arms, detect_arms, variant_order
 from vllm_flydsl_indexer.tools.cases import (
@@ -226,6 +226,9 @@ def found_line(lookup: KernelLookup, arms: Arms) -> str:
     return f"found:   the {where} FlyDSL API; its cases come first"
 
 
+SELF_TEST_SECTION = "per-configuration self-test (the patched router's, on each configuration's first call)"
+
+
 def render(
     results: list[CaseResult],
     arms: Arms,
@@ -311,6 +314,11 @@ def render(
             lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
     if note:
         lines.append(note)
+    if paths.router.self_tests:
+        lines += ["", SELF_TEST_SECTION]
+        for key, problem in paths.router.self_tests.items():
+            said = "passed" if problem is None else f"FAILED ({problem}): this configuration stays stock"
+            lines.append(f"  {describe_configuration(key)}: {said}")
     behaviours = behaviours or []
     self_tests = self_tests or []
     if behaviours:
