@@ -96,7 +96,7 @@ MUTATIONS = {
     ),
     "no DCP rule": ("if call.dcp_world_size != 1:", "if False:", "DCP 2 next_n=2 (simulated)"),
     "no capture rule": (
-        "if capturing and config not in self.compiled:",
+        "if capturing and (config not in self.compiled or untested):",
         "if False:",
         "first call during graph capture",
     ),

@@ -254,19 +254,17 @@ class FlyDSLRouter:
         if config in self.failed:
             return self._delegate(self.failed[config], args, compress_ratio)
         capturing = self.is_capturing()
-        if capturing and self.self_test and key not in self.self_tests:
-            # The self-test allocates and syncs: never inside capture. This graph keeps stock.
-            reason = (
-                f"FlyDSL not yet self-tested for {route.describe()} and the stream is capturing, so this "
-                "graph keeps the stock path. vLLM runs eager warm-up steps before it captures, so this "
-                "is unexpected: please report it with your vLLM version and compilation config"
+        untested = self.self_test and key not in self.self_tests
+        if capturing and (config not in self.compiled or untested):
+            # FlyDSL JIT-compiles a configuration on its first call, and the self-test allocates
+            # and syncs there: neither may happen inside graph capture, so this graph keeps stock.
+            what = (
+                f"compiled and self-tested for {route.describe()}"
+                if untested
+                else f"compiled for {config.describe()}"
             )
-            return self._delegate(reason, args, compress_ratio, logging.WARNING)
-        if capturing and config not in self.compiled:
-            # FlyDSL JIT-compiles a configuration on its first call; that must
-            # not happen inside graph capture: this graph keeps stock.
             reason = (
-                f"FlyDSL not yet compiled for {config.describe()} and the stream is capturing, so this "
+                f"FlyDSL not yet {what} and the stream is capturing, so this "
                 "graph keeps the stock path. vLLM runs eager warm-up steps before it captures, so this "
                 "is unexpected: please report it with your vLLM version and compilation config"
             )

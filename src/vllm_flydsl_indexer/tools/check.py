@@ -24,8 +24,8 @@ knows (the found one first), always on reference contracts shaped like that
 API: its limits, its SplitKV rule and launch knobs, bounds and callers, memo
 collisions, Preshuffle, the i32 pool limit, a tuned table, the
 verify-on-enable canary passing and catching wrong or unwritten columns, the
-per-configuration self-test, and a kernel that raises sent to stock for good. Last, a self-test of the agreement
-rule itself.
+per-configuration self-test, and a kernel that raises sent to stock for good.
+Last, a self-test of the agreement rule itself.
 
 The report reads: the scope, the found API, its cases, then the other APIs' cases.
 
