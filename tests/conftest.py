@@ -262,6 +262,9 @@ def general_variant(fn=None):
 
 
 def router_for(original, fn=None, hooks_=None, **kw):
+    """The router's rules on their own: the self-test is off unless asked for, since ``original`` is
+    often a :class:`Recorder`, not a stock arm (tests/test_selftest.py tests the self-test)."""
+    kw.setdefault("self_test", False)
     return FlyDSLRouter(original, general_variant(fn), hooks_ or hooks(), LOGGER, **kw)
 
 

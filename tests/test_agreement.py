@@ -105,6 +105,7 @@ def test_arms_agree_on_every_read_column(target, workspace, installed, aiter_cal
     stock = call(installed.original, problem, ratio)
     stock_arms = [name for name, _ in aiter_calls]
     aiter_calls.clear()
+    tested = len(installed.router.self_tests)
     patched = call(target.rocm_fp8_paged_mqa_logits, problem, ratio, case["caller"])
     patched_arms = [name for name, _ in aiter_calls]
 
@@ -116,7 +117,9 @@ def test_arms_agree_on_every_read_column(target, workspace, installed, aiter_cal
         return
     else:
         assert stock_arms == ["gluon"]
-        assert patched_arms == (["flydsl"] if takes else ["gluon"])
+        # A configuration's first taken call runs its self-test (stock, FlyDSL) before it.
+        self_test = ["gluon", "flydsl"] if len(installed.router.self_tests) > tested else []
+        assert patched_arms == ([*self_test, "flydsl"] if takes else ["gluon"])
 
     rows = problem.batch * problem.next_n
     ends = read_window_ends(problem.context_lens, rows, problem.next_n)
@@ -141,19 +144,19 @@ def test_native_mtp_calls_are_taken_with_fly_dsl_defaults(target, workspace, ins
         generator=torch.Generator().manual_seed(1),
     )
     call(target.rocm_fp8_paged_mqa_logits, problem, 1)
-    assert aiter_calls == [
-        (
-            "flydsl",
-            {
-                "Preshuffle": True,
-                "KVBlockSize": 64,
-                "ChunkK": 128,
-                "SplitKV": None,
-                "WavePerEU": 2,
-                "variant": None,
-            },
-        )
-    ]
+    launch = (
+        "flydsl",
+        {
+            "Preshuffle": True,
+            "KVBlockSize": 64,
+            "ChunkK": 128,
+            "SplitKV": None,
+            "WavePerEU": 2,
+            "variant": None,
+        },
+    )
+    # The configuration's self-test (stock, then FlyDSL launched as the call is), then the call.
+    assert aiter_calls == [aiter_calls[0], launch, launch] and aiter_calls[0][0] == "gluon"
 
 
 def test_flydsl_leaves_columns_past_the_window_untouched(target, workspace, installed):
@@ -168,6 +171,9 @@ def test_flydsl_leaves_columns_past_the_window_untouched(target, workspace, inst
         max_model_len=128,
         generator=torch.Generator().manual_seed(2),
     )
+    # A workspace already larger than the self-test's problem needs (as after vLLM's profiling run):
+    # the first call's self-test borrows its front and puts its bytes back, so the NaN stays.
+    poison_workspace(64, 1024)
     out = call(target.rocm_fp8_paged_mqa_logits, problem, 1)
     ends = read_window_ends(problem.context_lens, 4, 2)
     for r, end in enumerate(ends.tolist()):

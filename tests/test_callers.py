@@ -117,7 +117,7 @@ def test_audited_native_mtp_is_taken(target, workspace, installed, aiter_calls, 
     out = call_site_in(call_site_or_skip(caller))(
         target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1}
     )
-    assert arms(aiter_calls) == ["flydsl"]
+    assert arms(aiter_calls) == ["gluon", "flydsl", "flydsl"]  # the configuration's self-test, then the call
     result = compare_in_windows(stock, out, read_window_ends(p.context_lens, rows, 2), topk=64)
     assert result.nan_free and result.ok(0), result.describe()
 
@@ -134,7 +134,8 @@ def test_unknown_caller_gets_next_n_1_only_and_says_why_once(
         [200, 70], next_n=1, heads=32, head_dim=128, block_size=64, preshuffle=True, per_row_bounds=False
     )
     site = call_site_in(module)
-    for p, expected in ((p2, ["gluon", "gluon"]), (p1, ["flydsl", "flydsl"])):
+    # next_n 1: the configuration's self-test (stock, FlyDSL), then both calls on FlyDSL.
+    for p, expected in ((p2, ["gluon", "gluon"]), (p1, ["gluon", "flydsl", "flydsl", "flydsl"])):
         aiter_calls.clear()
         for _ in range(2):
             poison_workspace(p.batch * p.next_n, p.max_model_len)
@@ -159,7 +160,7 @@ def test_first_taken_line_names_configuration_and_caller(
     assert taken == [
         "vllm-flydsl-indexer: FlyDSL taken for heads=64 head_dim=128 KVBlockSize=64 next_n=2 "
         f"(caller {DEFINING_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; "
-        "the kernel's default launch)"
+        "the kernel's default launch; self-test passed)"
     ]
 
 

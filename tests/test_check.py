@@ -22,8 +22,8 @@ from vllm_flydsl_indexer.tools import check, settings
 from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
-# 23 model and bounds cases, 11 router-behaviour cases for each of 3 APIs, 3 agreement self-tests.
-ALL_PASS = "62 passed, 0 failed"
+# 23 model and bounds cases, 14 router-behaviour cases for each of 3 APIs, 3 agreement self-tests.
+ALL_PASS = "68 passed, 0 failed"
 
 
 def run_check(capsys, argv=SMALL) -> tuple[int, str]:
@@ -105,7 +105,7 @@ MUTATIONS = {
     ),
     "no DCP rule": ("if call.dcp_world_size != 1:", "if False:", "DCP 2 next_n=2 (simulated)"),
     "no capture rule": (
-        "if capturing and config not in self.compiled:",
+        "if capturing and (config not in self.compiled or untested):",
         "if False:",
         "first call during graph capture",
     ),
@@ -146,9 +146,25 @@ MUTATIONS = {
         "tuned table",
     ),
     "canary skipped": (
-        "if self.verifier is not None and not capturing:",
+        "if self.verifier is not None and not capturing and key not in self.verified:",
         "if False:",
         "verify-on-enable canary, arms agree",
+    ),
+    # issue 32: the per-configuration self-test.
+    "self-test skipped": (
+        "if self.self_test and not capturing and key not in self.self_tests:",
+        "if False:",
+        "self-test, FlyDSL reverses a sequence's rows",
+    ),
+    "self-test result ignored": (
+        "            if problem is not None:\n                return self._config_failed(",
+        "            if False:\n                return self._config_failed(",
+        "self-test, FlyDSL reverses a sequence's rows",
+    ),
+    "failure disables every configuration": (
+        "        if config in self.failed:\n            return Route(self.failed[config])",
+        "        if self.failed:\n            return Route(next(iter(self.failed.values())))",
+        "self-test, FlyDSL reverses a sequence's rows",
     ),
     "canary disagreement ignored": (
         "if problem is None:",
@@ -156,8 +172,8 @@ MUTATIONS = {
         "verify-on-enable canary, FlyDSL wrong",
     ),
     "raising configuration not remembered as failed": (
-        "self.failed[config] = (",
-        "reason = (",
+        'self.failed[config] = f"FlyDSL for',
+        'reason = f"FlyDSL for',
         "FlyDSL kernel raises",
     ),
     "memoised routes kept after a raise": (
@@ -167,8 +183,8 @@ MUTATIONS = {
     ),
     # issue 26: every API's contract, the memo key, Preshuffle, the table, the canary, the agreement rule.
     "canary without its NaN poison (an unwritten column unseen)": (
-        'self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len).fill_(float("nan"))',
-        "self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)",
+        'self.hooks.output_buffer(batch * next_n, max_model_len).fill_(float("nan"))',
+        "self.hooks.output_buffer(batch * next_n, max_model_len)",
         "verify-on-enable canary, FlyDSL leaves a column unwritten",
     ),
     "Preshuffle equality ignored": ("if told != layout:", "if False:", "Preshuffle differs from stock's"),

@@ -150,8 +150,8 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
         "no-vllm": f"{STOCK_COPY} (vLLM unavailable",
     }[machine]
     assert stock in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"
-    assert proc.stdout.count("PASS") == 62
+    assert proc.stdout.splitlines()[-1] == "68 passed, 0 failed (reference contracts, not the real kernels)"
+    assert proc.stdout.count("PASS") == 68
     assert "router behaviour: " in proc.stdout and "even where real kernels exist" in proc.stdout
     assert "check [" in proc.stderr  # progress bar
 
@@ -648,12 +648,12 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    # 9 cases, then the 12 router-behaviour cases of each of 3 APIs, then 3 agreement self-tests.
-    assert len(rows) == 9 + 36 + 3 and all(r.endswith("PASS") for r in rows), out
+    # 9 cases, then the 14 router-behaviour cases of each of 3 APIs, then 3 agreement self-tests.
+    assert len(rows) == 9 + 42 + 3 and all(r.endswith("PASS") for r in rows), out
     assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
     notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
     assert len(notes) == 1 and "the 7 bounds cases of MTP (next_n > 1) were not run" in notes[0]
-    assert out.splitlines()[-1] == "45 passed, 0 failed (reference contracts, not the real kernels)"
+    assert out.splitlines()[-1] == "51 passed, 0 failed (reference contracts, not the real kernels)"
 
 
 def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():

@@ -125,6 +125,57 @@ def test_patched_call_captures_and_replays_on_fresh_inputs():
         assert result.nan_free
 
 
+def reversed_rows(q, kv, w, out, lens, bt, mml, **kw):
+    """A planted FlyDSL arm: right values, but a sequence's rows in reverse order when next_n > 1."""
+    flydsl_contract_reference(q, kv, w, out, lens, bt, mml, **kw)
+    if q.shape[1] > 1:
+        rows = out.view(q.shape[0], q.shape[1], -1)
+        rows.copy_(rows.flip(1))
+    return out
+
+
+@pytest.mark.parametrize("kernel", [flydsl_contract_reference, reversed_rows])
+def test_self_test_in_vllm_style_warm_up_then_capture(kernel):
+    """vLLM's order: an eager warm-up step of each configuration (its self-test runs there, on this
+    GPU), then graph capture and replay on fresh inputs. A configuration that failed its self-test
+    is captured on stock; the others on FlyDSL; no self-test runs again."""
+    router, ws = router_and_workspace(kernel=kernel)
+    inner = router.router
+    statics = {next_n: problem(40 + next_n, next_n=next_n) for next_n in (2, 1)}
+    for p in statics.values():  # the warm-up steps
+        out = router(*args_of(p), None, MML)
+        torch.cuda.synchronize()
+        ends = read_window_ends(p.context_lens, B * p.next_n, p.next_n)
+        assert compare_in_windows(expected(p), out, ends, topk=256).ok(0), "warm-up got a wrong answer"
+    bad = kernel is reversed_rows
+    assert sorted(problem is None for problem in inner.self_tests.values()) == (
+        [False, True] if bad else [True, True]
+    )
+    assert inner.calls_taken == (1 if bad else 2)
+    tested = dict(inner.self_tests)
+    for next_n, static in statics.items():
+        static_args = args_of(static)
+        taken, delegated = inner.calls_taken, inner.calls_delegated
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = router(*static_args, None, MML)
+        stock_kept = bad and next_n == 2
+        assert (inner.calls_taken - taken, inner.calls_delegated - delegated) == (
+            (0, 1) if stock_kept else (1, 0)
+        )
+        for seed in (50, 51):
+            fresh = problem(seed + 10 * next_n, next_n=next_n)
+            for dst, src in zip(static_args, args_of(fresh), strict=True):
+                dst.copy_(src)
+            ws.buffer.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            ends = read_window_ends(fresh.context_lens, B * next_n, next_n)
+            result = compare_in_windows(expected(fresh), out, ends, topk=256)
+            assert result.ok(0) and result.nan_free, (next_n, result.describe())
+    assert inner.self_tests == tested, "a self-test ran again"
+
+
 def test_adapter_issues_no_host_sync():
     router, _ = router_and_workspace()
     p = problem(5)
@@ -348,7 +399,8 @@ def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
         out = router(*static_args)
     expected_split = kernels.explicit_split_kv(cus, B, MML, KVB, 2)
     assert expected_split != kernels.explicit_split_kv(cus, B, MML, KVB)  # the knob, not the default
-    assert [kw["SplitKV"] for name, kw in aiter.CALLS] == [expected_split] * 3
+    # The self-test's launch (first call, eager), then three calls: every one with the row's knob.
+    assert [kw["SplitKV"] for name, kw in aiter.CALLS] == [expected_split] * 4
     assert router.calls_taken == 3 and router.calls_delegated == 0
     fresh = problem(31, heads=heads)
     for dst, src in zip(args_of(static), args_of(fresh), strict=True):

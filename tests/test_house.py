@@ -11,10 +11,12 @@ import vllm_flydsl_indexer
 PACKAGE = Path(vllm_flydsl_indexer.__file__).parent
 # The CLI's ``python -m`` entry lives in the package root but register() never imports it.
 ENTRY = "__main__.py"
-# 15 plugin modules and __main__: issue 25 added rules.py (every rule in one module) and
+# 16 plugin modules and __main__: issue 25 added rules.py (every rule in one module) and
 # identification.py (startup probing apart from the contract); issue 31 files.py (the one file
-# layer: register() reads the tuned table through it, and the plugin never imports the tools).
-MAX_PLUGIN_MODULES = 16
+# layer: register() reads the tuned table through it, and the plugin never imports the tools);
+# issue 32 selftest.py (each configuration's self-test: its synthetic problem and both arms,
+# apart from the router).
+MAX_PLUGIN_MODULES = 17
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_agreement import poison_workspace
-from vllm_flydsl_indexer import envs, identification, kernels, patch
+from vllm_flydsl_indexer import envs, identification, kernels, patch, selftest
 from vllm_flydsl_indexer import router as router_module
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
@@ -237,6 +237,12 @@ def expected_arms(variant: str, heads: int, kvb: int, batch: int) -> list[str]:
     return ["dispatcher", "flydsl"] if (heads, kvb) == (32, 64) and batch >= 64 else ["gluon"]
 
 
+def self_test_arms(variant: str, heads: int, kvb: int, next_n: int) -> list[str]:
+    """A configuration's first taken call first runs its self-test: stock's Gluon, then the API on
+    the synthetic problem (four sequences, so aiter's dispatcher picks Gluon there)."""
+    return ["gluon", *expected_arms(variant, heads, kvb, len(selftest.synthetic_lengths(kvb, next_n)))]
+
+
 @pytest.mark.parametrize(
     "variant,dispatcher", [("general", False), ("gfx950", False), ("gfx950-early", False), ("general", True)]
 )
@@ -252,6 +258,7 @@ def test_each_variant_takes_exactly_its_shapes_and_agrees(
     assert installed.router.variant.name == name
     site = call_site_in(importlib.import_module(DEFINING_MODULE))
     batches = (3, 64) if dispatcher else (3,)
+    tested = set()
     for batch in batches:
         for i, (heads, kvb, next_n) in enumerate(SHAPES):
             lens = torch.randint(next_n, 200, (batch,), generator=torch.Generator().manual_seed(i)).tolist()
@@ -272,7 +279,11 @@ def test_each_variant_takes_exactly_its_shapes_and_agrees(
             poison_workspace(rows, p.max_model_len)
             out = site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
             shape = (name, heads, kvb, next_n, batch)
-            assert [a for a, _ in aiter_calls] == expected_arms(name, heads, kvb, batch), shape
+            arms = expected_arms(name, heads, kvb, batch)
+            if arms != ["gluon"] and (heads, kvb, next_n) not in tested:
+                tested.add((heads, kvb, next_n))
+                arms = self_test_arms(name, heads, kvb, next_n) + arms
+            assert [a for a, _ in aiter_calls] == arms, shape
             result = compare_in_windows(stock, out, read_window_ends(p.context_lens, rows, next_n), topk=64)
             assert result.nan_free and result.ok(0), (shape, result.describe())
     assert not [r for r in plugin_log if r.levelno >= logging.ERROR]
@@ -298,7 +309,7 @@ def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
     from conftest import Recorder, hooks
 
     buffer = torch.full((6, p.max_model_len), float("nan"))
-    router = FlyDSLRouter(Recorder(), variant, hooks(buffer=buffer), ADAPTER_LOG)
+    router = FlyDSLRouter(Recorder(), variant, hooks(buffer=buffer), ADAPTER_LOG, self_test=False)
     router.call_from(DEFINING_MODULE, *args)  # first call: compile, announce
     audit = SyncAudit()
     with audit:
@@ -347,6 +358,9 @@ def test_a_raising_kernel_never_reaches_vllm(
         raise error
 
     router = installed.router
+    # The live launch's own errors: the self-test (which fails its configuration on any raise, its
+    # problem being valid) is tests/test_selftest.py's.
+    router.self_test = False
     real_fn = router.variant.fn
     router.variant = dataclasses.replace(router.variant, fn=raising)
     site = call_site_in(importlib.import_module(DEFINING_MODULE))

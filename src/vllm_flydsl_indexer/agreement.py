@@ -20,6 +20,7 @@ from vllm_flydsl_indexer.target import INDEX_TOPK
 
 __all__ = [
     "Agreement",
+    "CHUNK_ELEMENTS",
     "DEFAULT_TOPK",
     "REAL_KERNEL_TOLERANCE",
     "compare_in_windows",
@@ -79,61 +80,73 @@ class Agreement:
         )
 
 
+# Logits entries the comparison handles at once (whole rows, at least one): bounds its temporaries.
+CHUNK_ELEMENTS = 1 << 16
+
+
 def compare_in_windows(
     expected: torch.Tensor, actual: torch.Tensor, ends: torch.Tensor, topk: int = DEFAULT_TOPK
 ) -> Agreement:
-    """Compare two logits buffers over ``[0, ends[r])`` of every row ``r``."""
-    rows = expected.shape[0]
-    width = expected.shape[1]
-    ends = ends.to(expected.device).clamp_max(width)
-    cols = torch.arange(width, device=expected.device).view(1, -1)
-    inside = cols < ends.view(-1, 1)
-    e = expected.float()
-    a = actual.float()
-    nan_free = not bool(torch.isnan(e[inside]).any() or torch.isnan(a[inside]).any())
-    e_ninf = torch.isneginf(e) & inside
-    a_ninf = torch.isneginf(a) & inside
-    mask_equal = torch.equal(e_ninf, a_ninf)
-    finite = inside & torch.isfinite(e) & torch.isfinite(a)
-    per_row = []
-    max_rel = 0.0
-    for r in range(rows):
-        sel = finite[r]
-        if bool(sel.any()):
-            max_rel = max(max_rel, relative_difference(e[r][sel], a[r][sel]))
-        per_row.append(int(ends[r]))
-    topk_equal = True
-    neg_inf = torch.tensor(float("-inf"), device=e.device)
-    for r, end in enumerate(per_row):
-        if end == 0:
+    """Compare two logits buffers over ``[0, ends[r])`` of every row ``r``.
+
+    Vectorised over rows, a chunk of rows at a time (:data:`CHUNK_ELEMENTS`),
+    so the extra memory stays bounded whatever the row count; one host sync at
+    the end. Rows whose window holds only ``-inf`` or nothing count as equal.
+    """
+    rows, width = expected.shape
+    device = expected.device
+    ends = ends.to(device).clamp(0, width)
+    cols = torch.arange(width, device=device).view(1, -1)
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    k = min(topk, width)
+    found_nan = torch.zeros((), dtype=torch.bool, device=device)
+    mask_differs = torch.zeros((), dtype=torch.bool, device=device)
+    topk_differs = torch.zeros((), dtype=torch.bool, device=device)
+    max_rel = torch.zeros((), dtype=torch.float64, device=device)
+    neg_inf = float("-inf")
+    for start in range(0, rows, step):
+        e = expected[start : start + step].float()
+        a = actual[start : start + step].float()
+        end = ends[start : start + step].view(-1, 1)
+        inside = cols < end
+        found_nan |= ((torch.isnan(e) | torch.isnan(a)) & inside).any()
+        mask_differs |= ((torch.isneginf(e) != torch.isneginf(a)) & inside).any()
+        finite = inside & torch.isfinite(e) & torch.isfinite(a)
+        x = torch.where(finite, e, 0.0).double()
+        y = torch.where(finite, a, 0.0).double()
+        cross = (x * y).sum(dim=1)
+        norms = (x * x + y * y).sum(dim=1)
+        del x, y
+        # 1 - 2*sum(xy) / sum(x^2 + y^2) per row; a zero denominator means both rows are all zero.
+        rel = torch.where(norms > 0, 1 - 2 * cross / norms.clamp_min(1e-300), 0.0)
+        max_rel = torch.maximum(max_rel, rel.max())
+        if k == 0:
             continue
-        k = min(topk, end)
-        er = torch.where(inside[r], torch.nan_to_num(e[r], nan=float("-inf")), neg_inf)
-        ar = torch.where(inside[r], torch.nan_to_num(a[r], nan=float("-inf")), neg_inf)
-        ev, ei = er.topk(k)
-        av, ai = ar.topk(k)
-        eset = set(ei[torch.isfinite(ev)].tolist())
-        aset = set(ai[torch.isfinite(av)].tolist())
-        if eset != aset:
-            topk_equal = False
-            break
+        # Each row's top min(topk, window) columns, NaN read as -inf, as index sets.
+        er = torch.where(inside, torch.nan_to_num(e, nan=neg_inf), neg_inf)
+        ar = torch.where(inside, torch.nan_to_num(a, nan=neg_inf), neg_inf)
+        ev, ei = er.topk(k, dim=1)
+        av, ai = ar.topk(k, dim=1)
+        del er, ar
+        taken = torch.arange(k, device=device).view(1, -1) < end.clamp_max(k)
+        eset = torch.where(taken & torch.isfinite(ev), ei, -1).sort(dim=1).values
+        aset = torch.where(taken & torch.isfinite(av), ai, -1).sort(dim=1).values
+        topk_differs |= (eset != aset).any()
     return Agreement(
         rows=rows,
-        read_columns=int(sum(per_row)),
-        max_rel_diff=max_rel,
-        mask_equal=mask_equal,
-        topk_equal=topk_equal,
-        nan_free=nan_free,
+        read_columns=int(ends.sum()),
+        max_rel_diff=float(max_rel),
+        mask_equal=not bool(mask_differs),
+        topk_equal=not bool(topk_differs),
+        nan_free=not bool(found_nan),
     )
 
 
 def make_verifier(tolerance: float = REAL_KERNEL_TOLERANCE, topk: int = DEFAULT_TOPK):
-    """A verify-on-enable callback for :class:`~vllm_flydsl_indexer.router.FlyDSLRouter`."""
+    """A verify-on-enable callback for :class:`~vllm_flydsl_indexer.router.FlyDSLRouter`:
+    ``verify(stock_rows, flydsl_rows, ends)``, ``ends`` those rows' read-window ends."""
 
-    def verify(
-        stock: torch.Tensor, flydsl: torch.Tensor, context_lens: torch.Tensor, next_n: int
-    ) -> str | None:
-        ends = read_window_ends(context_lens, stock.shape[0], next_n)
+    def verify(stock: torch.Tensor, flydsl: torch.Tensor, ends: torch.Tensor) -> str | None:
         result = compare_in_windows(stock, flydsl, ends, topk)
         return None if result.ok(tolerance) else result.describe()
 

@@ -13,6 +13,7 @@ __all__ = [
     "ALLOW_UNTESTED_VLLM",
     "ALL_VARIABLES",
     "Flag",
+    "SELFTEST",
     "SWITCH",
     "TUNED_CSV",
     "VERIFY",
@@ -23,6 +24,7 @@ __all__ = [
     "off_reason",
     "parse_bool",
     "read_flag",
+    "read_self_test",
 ]
 
 # The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
@@ -30,13 +32,15 @@ SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
 # Let a vLLM newer than the tested window through the version gate. The
 # target-signature gate still applies.
 ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
-# Per-process canary: compare both arms on the first eligible call.
+# Canary: compare both arms on the live inputs at each configuration's first eligible call.
 VERIFY = "VLLM_FLYDSL_INDEXER_VERIFY"
+# Per-configuration self-test against stock on a small synthetic problem; on unless set to 0/false.
+SELFTEST = "VLLM_FLYDSL_INDEXER_SELFTEST"
 
 # An aiter-format tuned CSV that picks FlyDSL or stock per shape (see tuning.py).
 TUNED_CSV = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
 
-ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY, TUNED_CSV)
+ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, VERIFY, SELFTEST, TUNED_CSV)
 ACCEPTED = ("1", "0", "true", "false")
 
 # Set on the getters this package adds to ``vllm.envs.environment_variables``, so a
@@ -64,23 +68,29 @@ class Flag:
     error: str | None = None
 
 
-def read_flag(name: str, environ: dict[str, str] | None = None) -> Flag:
+def read_flag(name: str, environ: dict[str, str] | None = None, default: bool = False) -> Flag:
     """Parse ``name`` as ``1``/``0``/``true``/``false`` (case-insensitive).
 
-    Unset or empty is off. Any other value is off, with an error that names
-    the variable and the accepted values.
+    Unset or empty is ``default``. Any other value is ``default``, with an
+    error that names the variable and the accepted values.
     """
     env = os.environ if environ is None else environ
     raw = env.get(name)
-    value = parse_bool(raw) if raw and raw.strip() else False
+    value = parse_bool(raw) if raw and raw.strip() else default
     if value is not None:
         return Flag(name, raw, value)
     return Flag(
         name,
         raw,
-        False,
-        f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (case-insensitive); treating it as 0",
+        default,
+        f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (case-insensitive); "
+        f"treating it as {int(default)}",
     )
+
+
+def read_self_test(environ: dict[str, str] | None = None) -> Flag:
+    """:data:`SELFTEST`: on unless set to ``0``/``false``."""
+    return read_flag(SELFTEST, environ, default=True)
 
 
 def off_reason(flag: Flag) -> str:

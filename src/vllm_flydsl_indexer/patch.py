@@ -151,6 +151,7 @@ def install(
     logger: logging.Logger,
     verifier: Callable | None = None,
     table: TunedTable | None = None,
+    self_test: bool = True,
 ) -> InstalledPatch:
     """Replace every binding of the target with the router. Idempotent."""
     global _installed
@@ -159,7 +160,9 @@ def install(
         assert _installed is not None
         return _installed
     hooks = vllm_stock_hooks(target)
-    router = FlyDSLRouter(current, variant, hooks, logger, verifier=verifier, table=table)
+    router = FlyDSLRouter(
+        current, variant, hooks, logger, verifier=verifier, table=table, self_test=self_test
+    )
     rocm_fp8_paged_mqa_logits = wrap(current, router)
     modules = _bindings(current)
     watch = _install_config_watch(logger)

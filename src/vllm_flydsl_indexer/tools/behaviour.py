@@ -184,8 +184,11 @@ class Step:
 class Behaviour:
     label: str
     steps: tuple[Step, ...]
-    fault: str | None = None  # of the FlyDSL arm: "wrong", "unwritten" or "raises"
-    canary: bool = False
+    # Of the FlyDSL arm: "wrong", "unwritten", "raises", or "reversed" (a sequence's rows in reverse
+    # order when next_n > 1).
+    fault: str | None = None
+    canary: bool = False  # it runs once per configuration that reaches FlyDSL
+    self_test: bool = False  # the router's self-test (off: the other cases test the rules alone)
     table: str = ""  # "check": check's in-memory table; "built-in": the built-in table's rows
     plain_stock: bool = False  # stock's hooks read every cache without Preshuffle
     shapes_only: bool = False  # the router's verdict on meta tensors; nothing launched
@@ -264,15 +267,31 @@ BEHAVIOURS = (
     ),
     Behaviour(
         "verify-on-enable canary, FlyDSL wrong",
-        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 0)),
+        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
         fault="wrong",
         canary=True,
     ),
     Behaviour(
         "verify-on-enable canary, FlyDSL leaves a column unwritten",
-        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 0)),
+        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
         fault="unwritten",
         canary=True,
+    ),
+    Behaviour(
+        "self-test, arms agree",
+        (Step(2, 64, FLYDSL, 2), Step(2, 64, FLYDSL, 1), Step(2, 1, FLYDSL, 2)),
+        self_test=True,
+    ),
+    Behaviour(
+        "self-test, FlyDSL reverses a sequence's rows",
+        (
+            Step(2, 64, STOCK, 1, next_n=2),
+            Step(2, 64, STOCK, 0, next_n=2),
+            Step(2, 64, FLYDSL, 2),
+            Step(2, 64, FLYDSL, 1),
+        ),
+        fault="reversed",
+        self_test=True,
     ),
     Behaviour(
         "FlyDSL kernel raises",
@@ -326,6 +345,9 @@ class PlantedKernel:
             out.neg_()  # wrong under any tolerance: values, -inf masks and top-k sets all differ
         elif self.fault == "unwritten":
             out[0, 0] = before  # one read column left as it was: the canary's NaN poison shows it
+        elif self.fault == "reversed" and q_fp8.shape[1] > 1:
+            rows = out.view(q_fp8.shape[0], q_fp8.shape[1], -1)
+            rows.copy_(rows.flip(1))
         return result
 
 
@@ -471,14 +493,9 @@ def run_behaviour(
         stock = stock_call(reference_arms().gluon, workspace)
         reference = reference_variant(contract)
         kernel = PlantedKernel(behaviour.fault, reference.fn)
-        canary_runs = []
-        verifier = None
-        if behaviour.canary:
-            agree = make_verifier(tolerance=0.0, topk=topk)  # the reference contracts agree exactly
-
-            def verifier(*args):
-                canary_runs.append(1)
-                return agree(*args)
+        # The reference contracts agree exactly.
+        verifier = make_verifier(tolerance=0.0, topk=topk) if behaviour.canary else None
+        reached: set[tuple] = set()  # the configurations whose calls reach FlyDSL
 
         cus = cu_count(device)
         heads, head_dim = problems.heads, problems.head_dim
@@ -488,7 +505,9 @@ def run_behaviour(
         if behaviour.plain_stock:
             hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
         variant = dataclasses.replace(reference, fn=kernel)
-        router = FlyDSLRouter(stock, variant, hooks, logger, verifier=verifier, table=table)
+        router = FlyDSLRouter(
+            stock, variant, hooks, logger, verifier=verifier, table=table, self_test=behaviour.self_test
+        )
         tag = f"as {contract.name}"
         for number, step in enumerate(behaviour.steps, start=1):
             where = f"{tag}, call {number} ({step.shape})"
@@ -498,6 +517,8 @@ def run_behaviour(
                 args = problems.get(step).call_args()
             # The CUs the router sees are those of the call's own device (meta tensors: 1), as serving's.
             arm_wanted, launches_wanted, knobs_wanted = expect(step, contract, args, cu_count(args[0].device))
+            if launches_wanted:
+                reached.add((step.block_size, step.next_n, step.heads))
             result.expected.append(arm_wanted)
             router.hooks = dataclasses.replace(hooks, dcp_world_size=lambda dcp=step.dcp: dcp)
             if behaviour.shapes_only:
@@ -549,8 +570,8 @@ def run_behaviour(
                 agreement = compare_in_windows(expected, out, ends, topk)
                 if not agreement.ok(0.0):
                     result.problems.append(f"{where} did not return stock's answer ({agreement.describe()})")
-        result.canary_runs = len(canary_runs)
-        wanted = 1 if behaviour.canary else 0
+        result.canary_runs = len(router.verified)
+        wanted = len(reached) if behaviour.canary else 0
         if result.canary_runs != wanted:
             result.problems.append(
                 f"{tag}: the canary ran {result.canary_runs} time(s), the case requires {wanted}"

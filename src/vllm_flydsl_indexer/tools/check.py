@@ -23,9 +23,9 @@ each a fresh router over a few calls in order, once per FlyDSL API the plugin
 knows (the found one first), always on reference contracts shaped like that
 API: its limits, its SplitKV rule and launch knobs, bounds and callers, memo
 collisions, Preshuffle, the i32 pool limit, a tuned table, the
-verify-on-enable canary passing and catching wrong or unwritten columns, and a
-kernel that raises sent to stock for good. Last, a self-test of the agreement
-rule itself.
+verify-on-enable canary passing and catching wrong or unwritten columns, the
+per-configuration self-test, and a kernel that raises sent to stock for good.
+Last, a self-test of the agreement rule itself.
 
 The report reads: the scope, the found API, its cases, then the other APIs' cases.
 
@@ -43,7 +43,7 @@ import torch
 
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.identification import KernelLookup, find_kernel
-from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.router import FlyDSLRouter, describe_configuration
 from vllm_flydsl_indexer.tools import behaviour, settings
 from vllm_flydsl_indexer.tools.arms import Arms, detect_arms, variant_order
 from vllm_flydsl_indexer.tools.cases import (
@@ -229,6 +229,9 @@ def found_line(lookup: KernelLookup, arms: Arms) -> str:
     return f"found:   the {where} FlyDSL API; its cases come first"
 
 
+SELF_TEST_SECTION = "per-configuration self-test (the patched router's, on each configuration's first call)"
+
+
 def render(
     results: list[CaseResult],
     arms: Arms,
@@ -312,6 +315,11 @@ def render(
             lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
     if note:
         lines.append(note)
+    if paths.router.self_tests:
+        lines += ["", SELF_TEST_SECTION]
+        for key, problem in paths.router.self_tests.items():
+            said = "passed" if problem is None else f"FAILED ({problem}): this configuration stays stock"
+            lines.append(f"  {describe_configuration(key)}: {said}")
     behaviours = behaviours or []
     self_tests = self_tests or []
     if behaviours:

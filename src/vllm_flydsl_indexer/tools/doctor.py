@@ -294,6 +294,17 @@ def stock_report(plat: dict[str, Any]) -> str:
     return "Gluon" if target is not None else why
 
 
+def _self_test_report(environ: dict[str, str] | None) -> str:
+    """Whether each configuration proves itself against stock before its first use, and why."""
+    flag = envs.read_self_test(environ)
+    said = (
+        "on: each FlyDSL configuration is checked against stock on this GPU at its first call"
+        if flag.enabled
+        else "off: FlyDSL configurations are used unchecked"
+    )
+    return f"{said} ({envs.SELFTEST}={flag.raw!r})" + (f" [{flag.error}]" if flag.error else "")
+
+
 def report(
     environ: dict[str, str] | None = None, model: tuple[str, dict | None] | None = None
 ) -> dict[str, Any]:
@@ -318,6 +329,7 @@ def report(
             "error": switch.error,
         },
         "verify": envs.read_flag(envs.VERIFY, environ).enabled,
+        "self_test": _self_test_report(environ),
         "gates": [
             {"name": g.name, "ok": g.ok, "skipped": g.skipped, "detail": g.detail} for g in decision.gates
         ],
@@ -413,7 +425,7 @@ def render(data: dict[str, Any]) -> str:
         switch = f"{sw['name']}={sw['value']!r} (parsed, {'on' if sw['enabled'] else 'off'})"
     else:  # the value and why it is refused: gate 1's text, printed once
         switch = f"{sw['name']} DID NOT PARSE, off (gate 1 says why)"
-    out += [f"switch:   {switch}", "", "gates:"]
+    out += [f"switch:   {switch}", f"self-test: {data['self_test']}", "", "gates:"]
     first_failure_seen = False
     for i, g in enumerate(data["gates"], 1):
         if g.get("skipped"):
