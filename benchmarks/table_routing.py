@@ -7,7 +7,8 @@ and each row's shape and batch is called through vLLM's real ``rocm_fp8_paged_mq
 defining module, on a GPU of the rows' CU count (stubbed: it is a host-side property). The arm the
 router takes is read from the doubles' call record. Nothing is timed: each arm's time is the row's
 own ``gluon_us`` (stock) or ``flydsl_us`` (FlyDSL), so the ratios are the table's measurements
-routed by this code, not a measurement of ours. Three policies side by side:
+routed by this code, not a measurement of ours (the self-test is off: it does not change the arm). Three
+policies side by side:
 
 * ``stock``: every call on vLLM's Gluon call (1.0 by definition);
 * ``flydsl-everywhere``: the router with ``VLLM_FLYDSL_INDEXER_TUNED_CSV=none``;
@@ -35,6 +36,9 @@ def setup_simulation() -> None:
     os.environ["VLLM_ROCM_USE_AITER"] = "1"
     os.environ["VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"] = "1"
     os.environ["AITER_DOUBLE_FLYDSL"] = "gfx950"
+    # Each configuration's first-call self-test launches both arms on a small problem first; the
+    # replay asks only which arm the route takes.
+    os.environ["VLLM_FLYDSL_INDEXER_SELFTEST"] = "0"
     for sub in ("aiter_flydsl", "amdsmi_gfx950"):
         sys.path.insert(0, str(DOUBLES / sub))
 
