@@ -152,7 +152,8 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
     assert stock in proc.stdout
     assert proc.stdout.splitlines()[-1] == "68 passed, 0 failed (reference contracts, not the real kernels)"
     assert proc.stdout.count("PASS") == 68
-    assert "router behaviour: " in proc.stdout and "even where real kernels exist" in proc.stdout
+    assert "router behaviour, a fresh router per case and API" in proc.stdout
+    assert "even where real kernels exist" in proc.stdout
     assert "check [" in proc.stderr  # progress bar
 
 
@@ -653,7 +654,7 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
     assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
     notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
     assert len(notes) == 1 and "the 7 bounds cases of MTP (next_n > 1) were not run" in notes[0]
-    assert out.splitlines()[-1] == "51 passed, 0 failed (reference contracts, not the real kernels)"
+    assert out.splitlines()[-1] == "54 passed, 0 failed (reference contracts, not the real kernels)"
 
 
 def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():

@@ -148,9 +148,9 @@ def run_case(
     arm = "FlyDSL" if router.calls_taken > taken else "stock"
     kernel_error = None
     if len(router.failed) > failed:
-        kernel_error = f"the FlyDSL kernel raised: {next(reversed(router.failed.values()))}"
+        kernel_error = f"FlyDSL failed here: {next(reversed(router.failed.values()))}"
     elif len(router.rejected) > rejected:
-        kernel_error = f"the FlyDSL kernel raised: {router.rejected[-1]}"
+        kernel_error = f"FlyDSL rejected the call: {router.rejected[-1]}"
     if isinstance(stock_out, Exception) or isinstance(patched_out, Exception):
         return raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out)
 

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_flydsl_indexer import patch
+from vllm_flydsl_indexer import envs, patch
 from vllm_flydsl_indexer._logging import get_logger
 from vllm_flydsl_indexer.callers import call_site_in
 from vllm_flydsl_indexer.router import FlyDSLRouter
@@ -209,6 +209,8 @@ def build_paths(
         label = f"this package's stock copy of vLLM's gfx950 branches ({why})"
 
     def make_router(**kwargs) -> FlyDSLRouter:
+        # As serving installs it: the self-test unless VLLM_FLYDSL_INDEXER_SELFTEST turns it off.
+        kwargs.setdefault("self_test", envs.read_self_test().enabled)
         return FlyDSLRouter(stock, variant, hooks, logger, **kwargs)
 
     return Paths(
