@@ -309,6 +309,7 @@ def plant(monkeypatch, old: str, new: str) -> int:
     return rebound
 
 
+@pytest.mark.mutation
 @pytest.mark.parametrize("bug", MUTATIONS)
 def test_check_catches_planted_routing_bug(bug, target, workspace, monkeypatch, capsys):
 
