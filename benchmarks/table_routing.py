@@ -110,6 +110,9 @@ def replay(tuned_csv: str | None) -> dict:
     rows = table_rows(path)
     (cus,) = {int(r["cu_num"]) for r in rows}
     kernels._device_cu_count = lambda device_type, index: cus  # the rows' GPU
+    if not torch.accelerator.is_available():
+        # vLLM 0.32's workspace resize empties the accelerator cache, which a CPU-only torch refuses.
+        torch.accelerator.empty_cache = lambda: None
     init_workspace_manager(torch.device("cpu"))
     arms: dict[str, list[str]] = {"stock": ["stock"] * len(rows)}
     for policy, variable in (("flydsl-everywhere", tuning.OFF), ("router+table", tuned_csv or "")):
