@@ -155,6 +155,11 @@ class TableSource:
     origin: str  # "env", "aiter", "built-in", "off" (none asked for) or "none" (no measurement)
     label: str  # a few words for the ACTIVE line and doctor
 
+    @property
+    def name(self) -> str | None:
+        """How reasons and doctor name the table: the built-in one by its label, a file by its path."""
+        return BUILTIN.label if self.origin == "built-in" else self.path
+
 
 # (cu_num, next_n, heads, head_dim, kv_block_size, preshuffle)
 ShapeKey = tuple[int, int, int, int, int, bool]
@@ -460,8 +465,7 @@ def load_source(source: TableSource, gfx: str, logger: logging.Logger) -> TunedT
     table = load(source.path, gfx, logger)
     if table is not None:
         table.origin = source.origin
-        if source.origin == "built-in":
-            table.source = BUILTIN.label
+        table.source = source.name or table.source
     return table
 
 

@@ -119,7 +119,7 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     chosen = tuning.table_source(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
     if chosen.path is None:
         return {"source": None, "origin": chosen.origin, "note": chosen.label, "in_use": chosen.label}
-    source = tuning.BUILTIN.label if chosen.origin == "built-in" else chosen.path
+    source = chosen.name
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
     try:
         table = tuning.read(chosen.path, gfx)  # the plugin's own reader: it raises only TableError
