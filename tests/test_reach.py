@@ -129,6 +129,7 @@ def test_resolve_reads_a_model_directory_or_a_bare_model_type(tmp_path):
     "make, words",
     [
         (lambda d: "llama", "not a directory or a known model type"),
+        (lambda d: "", "is empty"),
         (lambda d: str(d), "no readable config.json"),
         (lambda d: (d / "config.json").write_text("{") and str(d), "no readable config.json"),
         (

@@ -205,6 +205,8 @@ def _config_problem(config: object) -> str | None:
 def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
     """``(model_type, config)`` of ``--model``: a model directory, a bare model type (config ``None``),
     or one of ``check --model``'s shape names (the model type it names first)."""
+    if not arg.strip():  # Path("") is the current directory: never read it by accident
+        raise ModelError(f"--model {arg}: is empty; expected {accepted()}")
     path = Path(arg)
     if path.is_dir():
         config_file = path / "config.json"
