@@ -223,19 +223,24 @@ def test_pinned_ratios_block_sizes_and_heads_match_vllm():
 
 def test_deepseek_v41_reaches_the_target_through_vllms_indexer_on_gfx950():
     """V4.1's AMD ops layer (which calls the target in _decode_step) is taken only with --monokernel
-    on gfx942; elsewhere its FP8 indexer is vLLM's, whose op is rocm_aiter_sparse_attn_indexer."""
+    on gfx942 (0.33.0 on; 0.32.0 has none); elsewhere its FP8 indexer is vLLM's, whose op is
+    rocm_aiter_sparse_attn_indexer."""
     if not (vllm_root() / "models/deepseek_v41/amd/rocm.py").is_file():
         pytest.skip(f"vLLM {VLLM} has no DeepSeek-V4.1 AMD module")
     rocm = source("models/deepseek_v41/amd/rocm.py")
     tree = ast.parse(rocm)
-    gate = ast.get_source_segment(rocm, function(tree, "_gfx942_monokernel"))
-    assert "kernel_config.monokernel) and on_gfx942()" in gate
     klass = next(
         n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "DeepseekV41ROCMAiterMLAAttention"
     )
     choice = ast.get_source_segment(
         rocm, next(n for n in klass.body if getattr(n, "name", "") == "_indexer_cls")
     )
+    if not (vllm_root() / "models/deepseek_v41/amd/ops/sparse_indexer.py").is_file():
+        # 0.32.0: no AMD ops module and no gfx942 path; the FP8 indexer is always vLLM's.
+        assert "gfx942" not in rocm.lower() and "return super()._indexer_cls(k_cache)" in choice
+        return
+    gate = ast.get_source_segment(rocm, function(tree, "_gfx942_monokernel"))
+    assert "kernel_config.monokernel) and on_gfx942()" in gate
     assert "if _gfx942_monokernel():\n            return DeepseekV41Gfx942Indexer" in choice
     assert "attn_cls = Gfx942SparseAttnIndexer" in rocm
     assert "calls it only with --monokernel on gfx942" in CALL_SITES[V41_OPS].note
