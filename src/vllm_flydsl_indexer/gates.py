@@ -16,13 +16,12 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import importlib.util
-import os
 import re
 import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from vllm_flydsl_indexer import envs
+from vllm_flydsl_indexer import envs, files
 from vllm_flydsl_indexer._logging import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
 from vllm_flydsl_indexer.identification import find_kernel
 from vllm_flydsl_indexer.kernels import KernelVariant
@@ -170,13 +169,16 @@ _MAX_SOURCE_BYTES = 4 * 2**20
 
 
 def _target_calls_flydsl() -> bool:
-    """Whether the target function's source (read from its file, not imported) mentions flydsl."""
+    """Whether the target function's source (read from its file, not imported) mentions flydsl.
+
+    Raises what :func:`files.read_text` raises for a file that is not a regular one of at most
+    :data:`_MAX_SOURCE_BYTES` (``in_tree_route`` reads that as not in-tree).
+    """
     spec = importlib.util.find_spec(TARGET_MODULE)
     origin = getattr(spec, "origin", None)
-    if not origin or not os.path.isfile(origin) or os.path.getsize(origin) > _MAX_SOURCE_BYTES:
+    if not origin:
         return False
-    with open(origin, encoding="utf-8") as f:
-        source = f.read()
+    source = files.read_text(origin, _MAX_SOURCE_BYTES)
     for node in ast.parse(source).body:
         if isinstance(node, ast.FunctionDef) and node.name == TARGET_NAME:
             return "flydsl" in (ast.get_source_segment(source, node) or "").lower()
