@@ -23,8 +23,7 @@ from conftest import (
 )
 from vllm_flydsl_indexer.callers import DEFINING_MODULE
 from vllm_flydsl_indexer.kernels import KernelVariant
-from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.target import call_key
+from vllm_flydsl_indexer.router import FlyDSLRouter, call_facts
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 
@@ -386,7 +385,9 @@ def test_an_exception_in_the_routers_own_work_returns_stock(plugin_log):
     assert len(errors) == 1 and "ZeroDivisionError" in errors[0] and "planted" in errors[0]
 
 
-def test_the_device_index_is_part_of_the_memo_key():
+def test_the_device_is_part_of_what_a_flydsl_verdict_is_checked_against():
+    """A FlyDSL verdict decided on one device is not launched on another (the CU count, aiter's
+    per-GPU choices): the device is one of the call's facts."""
     p = base_problem()
     args = as_args(p)
 
@@ -397,5 +398,5 @@ def test_the_device_index_is_part_of_the_memo_key():
         def __getattr__(self, name):
             return getattr(self.tensor, name)
 
-    keys = {call_key((OnDevice(p.q_fp8, i), *args[1:]), 1, DEFINING_MODULE, 1) for i in (0, 1)}
-    assert len(keys) == 2
+    facts = {call_facts((OnDevice(p.q_fp8, i), *args[1:]), 1) for i in (0, 1)}
+    assert len(facts) == 2

@@ -19,6 +19,7 @@ from vllm_flydsl_indexer import envs, selftest
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.stock import vllm_stock_hooks
+from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools.arms import reference_variant
 from vllm_flydsl_indexer.tools.reference import GFX950, make_paged_problem
 
@@ -143,8 +144,9 @@ def test_correct_kernel_taken_from_first_call_then_one_launch_per_call(make_rout
     aiter.CALLS.clear()
     p = problem(2, 11)
     out = run(router, target, p)
-    # The first call: the self-test's two arms, then the live launch.
-    assert kernel.launches == 2 and [a for a, _ in aiter.CALLS] == ["gluon"]
+    # The first call: the self-test's stock arm and FlyDSL at SplitKV 1 and at the largest SplitKV
+    # (clamped to the problem's pages), then the live launch.
+    assert kernel.launches == 3 and [a for a, _ in aiter.CALLS] == ["gluon"]
     assert router.calls_taken == 1 and agree(target, p, out)
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken" in r.getMessage()]
     assert len(taken) == 1 and "self-test passed" in taken[0], taken
@@ -153,7 +155,7 @@ def test_correct_kernel_taken_from_first_call_then_one_launch_per_call(make_rout
     aiter.CALLS.clear()
     for seed in (12, 13, 14):
         out = run(router, target, problem(2, seed))
-    assert kernel.launches == 5 and aiter.CALLS == [] and len(router.self_tests) == 1
+    assert kernel.launches == 6 and aiter.CALLS == [] and len(router.self_tests) == 1
 
 
 def test_self_test_off(make_router, target, plugin_log):
@@ -227,14 +229,11 @@ def test_memory_bound_whatever_max_model_len(make_router, target, workspace, nex
     router = make_router(seen.excluding(Kernel()))
     router.original = seen.excluding(router.original)
     p = problem(next_n, 1, lens=(40, 0, 3), max_model_len=163840)
-    route = router._memoise(
-        ("k",), __import__("vllm_flydsl_indexer.target").target.Call.of(p.call_args(), 1, DEFINING, 1)
-    )
+    route = router._new_route(Call.of(p.call_args(), 1, DEFINING, 1))
     assert route.reason is None, route.reason
     with seen:
         assert router._self_test(route, p.call_args(), 1) is None
     assert 0 < seen.bytes <= selftest.MAX_BYTES, seen.bytes
-    assert selftest.footprint_bytes(32, 128, 64, next_n, 132) <= selftest.MAX_BYTES
 
 
 def test_synthetic_problem_covers_the_cases():

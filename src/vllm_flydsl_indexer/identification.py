@@ -8,9 +8,13 @@ API's exact contract:
 
 * ``dispatcher``: aiter's tuned dispatcher (aiter PR #6140),
   ``aiter.paged_mqa_logits.paged_mqa_logits`` beside
-  ``get_paged_mqa_logits_config``. Its measured table picks Gluon or FlyDSL
-  per shape and it falls back to vLLM's exact Gluon call, so it is preferred.
-  Identified by both functions (a fork ships an unrelated module of that name).
+  ``get_paged_mqa_logits_config`` and ``run_paged_mqa_logits``. Its measured
+  table picks Gluon or FlyDSL per shape, so it is preferred; the router hands
+  it only the calls it would launch on FlyDSL (where it would pick Gluon it
+  would re-tune Gluon's knobs, so vLLM's own call runs instead). Identified by
+  its functions (a fork ships an unrelated module of that name); the self-test
+  makes it launch FlyDSL through ``run_paged_mqa_logits``, the entry point
+  aiter's own tuner uses.
 * ``gfx950``: the gfx950-specialised ``flydsl_fp8_paged_mqa_logits``
   (``fp8_paged_mqa_logits_gfx950.py``): fixed heads, head_dim, KVBlockSize and
   index_dim read from its module constants, Preshuffle required, ``next_n`` up
@@ -90,6 +94,9 @@ DISPATCHER_MODULE = "aiter.paged_mqa_logits"
 DISPATCHER_NAME = "paged_mqa_logits"
 DISPATCHER_CONFIG_NAME = "get_paged_mqa_logits_config"
 DISPATCHER_SUPPORTS_NAME = "flydsl_supports"
+# Launches one explicit config (aiter's tuner and the dispatcher share it): the self-test's FlyDSL.
+DISPATCHER_RUN_NAME = "run_paged_mqa_logits"
+FORCED_FLYDSL = {"backend": "flydsl", "ChunkK": 256, "WavePerEU": 2, "wg_per_cu": 0}
 # Distribution names of aiter, first found wins: its ROCm wheels are published as
 # amd-aiter ("aiter" on PyPI is an unrelated library).
 AITER_DISTRIBUTIONS = ("amd-aiter", "aiter")
@@ -375,6 +382,9 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
         return params
     if "Preshuffle" not in params or "KVBlockSize" not in params:
         return f"{DISPATCHER_NAME} lacks Preshuffle/KVBlockSize"
+    run = getattr(module, DISPATCHER_RUN_NAME, None)
+    if not callable(run):
+        return f"no {DISPATCHER_RUN_NAME}: the self-test could not launch FlyDSL alone through it"
     return KernelVariant(
         "dispatcher",
         fn,
@@ -385,7 +395,27 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
         dispatch_objection=functools.partial(
             _dispatcher_objection, config, getattr(module, DISPATCHER_SUPPORTS_NAME, None)
         ),
+        flydsl=functools.partial(_forced_flydsl, run),
     )
+
+
+def _forced_flydsl(
+    run: Callable[..., object],
+    q_fp8,
+    kv_cache,
+    weights,
+    out,
+    context_lens,
+    block_tables,
+    max_model_len: int,
+    *,
+    Preshuffle: bool,
+    KVBlockSize: int,
+) -> object:
+    """The dispatcher made to launch FlyDSL whatever its table says, at its default SplitKV."""
+    config = dict(FORCED_FLYDSL)
+    args = (q_fp8, kv_cache, weights, out, context_lens, block_tables, max_model_len)
+    return run(config, *args, Preshuffle, KVBlockSize)
 
 
 def _dispatcher_objection(

@@ -194,6 +194,9 @@ class KernelVariant:
     # ``flydsl_supports``), given the call and its Preshuffle: ``None`` where it launches FlyDSL, else
     # why not. Where it would launch Gluon (with its own ChunkK/WavePerEU), vLLM's original runs instead.
     dispatch_objection: Callable[[Call, bool], str | None] | None = None
+    # FlyDSL itself, with ``fn``'s signature, for the self-test: ``None`` where ``fn`` is the kernel;
+    # for the dispatcher, its own ``run_paged_mqa_logits`` forced to the FlyDSL backend.
+    flydsl: Callable[..., object] | None = None
 
     def violation(self, call: Call) -> str | None:
         """Why this API cannot take the call exactly, or ``None``."""
@@ -258,6 +261,16 @@ class KernelVariant:
         elif wg_per_cu:
             raise ValueError(self.knob_problem(wg_per_cu))
         return kwargs
+
+    def self_test_launches(
+        self, kwargs: dict[str, object], top_split_kv: int
+    ) -> dict[str, dict[str, object]]:
+        """The launches the self-test makes of a shape whose live launches take ``kwargs``, by name:
+        SplitKV 1 and ``top_split_kv`` (the largest a live launch reaches, clamped to the self-test's
+        pages) where this API is launched with SplitKV, else ``kwargs`` as they are."""
+        if "SplitKV" not in kwargs:
+            return {"at its default launch": kwargs}
+        return {f"at SplitKV {s}": {**kwargs, "SplitKV": s} for s in sorted({1, top_split_kv})}
 
     def describe_launch(self, wg_per_cu: int) -> str:
         """The knob of a launch, for the first-taken log line."""

@@ -1,32 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
 """Why did this call stay stock? Every rule of the decode step, in the order the router applies them.
 
-A rule returns ``None`` ("no objection") or a short reason; the router
-(:mod:`vllm_flydsl_indexer.router`) composes :data:`RULES`, and the first
-reason is what its log line says, once, for the stock path. A call that
-passes every rule is launched on FlyDSL.
+A rule takes the call and the router and returns ``None`` ("no objection")
+or a short reason; the router (:mod:`vllm_flydsl_indexer.router`) applies
+:data:`RULES` in order, and the first reason is what its log line says, once,
+for the stock path. A call that passes every rule is launched on FlyDSL.
 
-* ``live`` rules run on every call: they read what a memoised verdict cannot
-  (vLLM's module state) and take only ``(compress_ratio, KVBlockSize)``, so the
-  hot path builds no :class:`~vllm_flydsl_indexer.target.Call`.
-* The others read a Call and are memoised on the call's signature
-  (:func:`~vllm_flydsl_indexer.target.call_key`: shapes, dtypes, contiguity,
-  Python arguments, caller, DCP size): none reads a tensor value, so no rule
-  issues a host sync and each decides the same during graph capture.
+No rule reads a tensor value, so none issues a host sync and each decides
+the same during graph capture; none reads vLLM's modules (the stock-side
+questions go to hooks resolved at start-up), so every verdict is memoised
+with the call's signature.
 
 The facts each rule applies live with what they describe: stock's own
 questions in :mod:`~vllm_flydsl_indexer.stock`, the kernels' contracts in
 :mod:`~vllm_flydsl_indexer.kernels`, the call-site audit in
 :mod:`~vllm_flydsl_indexer.callers`, the measured table in
-:mod:`~vllm_flydsl_indexer.tuning`. After the rules the router adds two guards
-of its own history (no first-time compile inside graph capture; a
-configuration whose kernel raised stays stock).
+:mod:`~vllm_flydsl_indexer.tuning`. After the rules the router adds the guards
+of its own history (no first-time compile or self-test inside graph capture; a
+shape whose self-test or kernel failed stays stock).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from vllm_flydsl_indexer.callers import multi_row_objection
 from vllm_flydsl_indexer.kernels import cu_count, strided_cache_reason
@@ -34,10 +28,7 @@ from vllm_flydsl_indexer.target import Call, RouterView
 from vllm_flydsl_indexer.tuning import pick_for, where
 
 __all__ = [
-    "LIVE_RULES",
-    "MEMOISED_RULES",
     "RULES",
-    "RuleEntry",
     "contiguity_rule",
     "contract_rule",
     "dispatcher_rule",
@@ -47,14 +38,10 @@ __all__ = [
     "window_rule",
 ]
 
-# A memoised rule reads the Call; a live rule only (compress_ratio, KVBlockSize, router).
-Rule = Callable[[Call, RouterView], "str | None"]
-LiveRule = Callable[[int, int, RouterView], "str | None"]
 
-
-def gluon_rule(compress_ratio: int, block_size: int, router: RouterView) -> str | None:
-    """Only the call stock would send to aiter's gfx950 Gluon kernel is ours to change (live)."""
-    reason = router.hooks.gluon_objection(compress_ratio, block_size)
+def gluon_rule(call: Call, router: RouterView) -> str | None:
+    """Only the call stock would send to aiter's gfx950 Gluon kernel is ours to change."""
+    reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])
     return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
 
 
@@ -145,21 +132,13 @@ def table_rule(call: Call, router: RouterView) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class RuleEntry:
-    rule: Rule | LiveRule
-    live: bool = False
-
-
 # In order; the first reason wins.
-RULES: tuple[RuleEntry, ...] = (
-    RuleEntry(gluon_rule, live=True),  # only the call stock sends to aiter's Gluon
-    RuleEntry(contiguity_rule),  # a layer-contiguous cache
-    RuleEntry(contract_rule),  # the found API's exact contract and limits
-    RuleEntry(window_rule),  # written columns equal read columns, per caller
-    RuleEntry(layout_rule),  # launched with stock's Preshuffle
-    RuleEntry(dispatcher_rule),  # aiter's dispatcher: only where it launches FlyDSL
-    RuleEntry(table_rule),  # a measured table's per-shape choice and its launch
+RULES = (
+    gluon_rule,  # only the call stock sends to aiter's Gluon
+    contiguity_rule,  # a layer-contiguous cache
+    contract_rule,  # the found API's exact contract and limits
+    window_rule,  # written columns equal read columns, per caller
+    layout_rule,  # launched with stock's Preshuffle
+    dispatcher_rule,  # aiter's dispatcher: only where it launches FlyDSL
+    table_rule,  # a measured table's per-shape choice and its launch
 )
-LIVE_RULES = tuple(entry.rule for entry in RULES if entry.live)
-MEMOISED_RULES = tuple(entry.rule for entry in RULES if not entry.live)

@@ -1,14 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The per-configuration self-test: FlyDSL proves itself against stock before a call depends on it.
+"""The self-test: FlyDSL itself proves itself against stock, once per shape, before a call depends on it.
 
-The router runs :func:`run` the first time it would launch a configuration
-(heads, head_dim, KVBlockSize, next_n and the launch's knobs) outside graph
-capture; vLLM's eager warm-up does this before it captures. :func:`synthetic`
-builds a small problem of that configuration on the call's device: four
-sequences whose lengths cover an empty sequence, a partial block and several
-blocks; for ``next_n > 1`` vLLM's native ``(B, next_n)`` bounds; finite fp8
-values and positive finite scales everywhere the kernels read (both arms read
-the same bytes, so the cache layout's shuffle does not matter). Its
+The router runs :func:`run` the first time it would launch a shape (heads,
+head_dim, KVBlockSize, next_n and the bounds' kind: one length per sequence, or
+vLLM's ``(B, next_n)`` table) outside graph capture; vLLM's eager warm-up does
+this before it captures, and with breakable graphs the op's first eager run
+does. Not per batch size, not per SplitKV: the launches cover the knob's
+range instead (SplitKV 1 and the largest any live launch of the shape can
+reach, clamped to this problem's pages, as FlyDSL clamps it), and they run
+FlyDSL itself (with aiter's dispatcher, forced through its own
+``run_paged_mqa_logits``), never a kernel chosen for it.
+
+:func:`synthetic` builds a small problem of that shape on the call's device:
+four sequences whose lengths cover an empty sequence, a partial block and
+several blocks; for ``next_n > 1`` vLLM's native ``(B, next_n)`` bounds; finite
+fp8 values and positive finite scales everywhere the kernels read (both arms
+read the same bytes, so the cache layout's shuffle does not matter). Its
 ``max_model_len`` is a few blocks, so the self-test costs well under
 :data:`MAX_BYTES` whatever the served ``max_model_len`` is. Imports no vLLM.
 """
@@ -22,7 +29,7 @@ import torch
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.target import SCALE_BYTES
 
-__all__ = ["MAX_BYTES", "SEED", "footprint_bytes", "run", "synthetic", "synthetic_lengths"]
+__all__ = ["MAX_BYTES", "SEED", "run", "synthetic", "synthetic_lengths", "width"]
 
 # What one self-test may allocate, inputs and both outputs included (tests/test_selftest.py holds it).
 MAX_BYTES = 4 << 20
@@ -37,21 +44,11 @@ def synthetic_lengths(block_size: int, next_n: int) -> list[int]:
     return [0, partial, 2 * block, 3 * block + partial]
 
 
-def _width(block_size: int, next_n: int) -> tuple[int, int]:
+def width(block_size: int, next_n: int) -> tuple[int, int]:
     """``(max_model_len, block table width)``: one spare block past the longest sequence."""
     longest = max(synthetic_lengths(block_size, next_n))
     blocks = -(-longest // block_size) + 1
     return blocks * block_size, blocks
-
-
-def footprint_bytes(heads: int, head_dim: int, block_size: int, next_n: int, index_dim: int) -> int:
-    """Bytes the synthetic problem and the two arms' outputs take (what :data:`MAX_BYTES` bounds)."""
-    batch = len(synthetic_lengths(block_size, next_n))
-    max_model_len, width = _width(block_size, next_n)
-    rows = batch * next_n
-    pool = batch * width
-    inputs = rows * heads * head_dim + pool * block_size * index_dim + rows * heads * 4 + batch * width * 4
-    return inputs + batch * next_n * 4 + 2 * rows * max_model_len * 4
 
 
 def synthetic(
@@ -73,8 +70,8 @@ def synthetic(
     gen = torch.Generator().manual_seed(SEED)
     lengths = torch.tensor(synthetic_lengths(block_size, next_n), dtype=torch.int64)
     batch = lengths.numel()
-    max_model_len, width = _width(block_size, next_n)
-    pool = batch * width
+    max_model_len, blocks = width(block_size, next_n)
+    pool = batch * blocks
     key_bytes = block_size * head_dim
     flat = torch.zeros(pool, block_size * index_dim, dtype=torch.uint8)
     keys = torch.randn(pool, key_bytes, generator=gen).mul(64).to(torch.float8_e4m3fn)
@@ -83,7 +80,7 @@ def synthetic(
     flat[:, key_bytes : key_bytes + block_size * SCALE_BYTES] = scales.view(torch.uint8)
     kv_cache = flat.view(pool, block_size, 1, index_dim)
     # Every logical block of every sequence is a distinct physical block, in shuffled order.
-    block_tables = torch.randperm(pool, generator=gen).to(torch.int32).view(batch, width)
+    block_tables = torch.randperm(pool, generator=gen).to(torch.int32).view(batch, blocks)
     q_fp8 = torch.randn(batch, next_n, heads, head_dim, generator=gen).mul(2).to(torch.float8_e4m3fn)
     weights = torch.randn(batch * next_n, heads, generator=gen).mul(heads**-0.5)
     if per_row_bounds:
@@ -100,21 +97,19 @@ def run(
     args: tuple,
     stock: Callable[[tuple], torch.Tensor],
     stock_buffer: Callable[[int, int], torch.Tensor],
-    flydsl: Callable[[tuple, torch.Tensor], object],
-    exact_writes: bool = True,
+    launches: dict[str, Callable[[tuple, torch.Tensor], object]],
     live: tuple[int, int] = (0, 0),
 ) -> str | None:
-    """Both arms on the synthetic ``args``, each into a NaN-poisoned buffer: ``None`` when they agree.
+    """Stock, then each FlyDSL launch, on the synthetic ``args``: ``None`` when every launch agrees.
 
     ``stock(args)`` is vLLM's original, which takes its output from vLLM's
     workspace (``stock_buffer(rows, max_model_len)`` is that same view, poisoned
     first); its small answer is copied out and the workspace bytes it used are
-    put back, and FlyDSL writes a buffer of its own, so the live call's output,
-    obtained after from the same workspace, finds it as it was. ``flydsl(args, out)``
-    launches exactly as the router launches a real call. Else a message saying what
-    differed. Raises what an arm raises.
-    ``exact_writes``: FlyDSL must write exactly the columns the consumers read
-    (``False`` for aiter's dispatcher, which may pick Gluon and its ``-inf`` past them).
+    put back, so the live call's output, obtained after from the same workspace,
+    finds it as it was. Each of ``launches`` (``{name: launch(args, out)}``)
+    writes a buffer of its own, poisoned with NaN, and must agree with stock
+    and write exactly the columns the consumers read. Else a message naming the
+    launch and what differed. Raises what an arm raises.
     """
     q_fp8, _, _, context_lens, _, _, max_model_len = args
     batch, next_n = q_fp8.shape[:2]
@@ -126,13 +121,15 @@ def run(
     stock_buffer(rows, max_model_len).fill_(float("nan"))
     expected = stock(args).clone()
     stock_buffer(*keep).copy_(saved)
-    actual = torch.full((rows, max_model_len), float("nan"), dtype=torch.float32, device=q_fp8.device)
-    flydsl(args, actual)
     ends = read_window_ends(context_lens, rows, next_n)
-    result = compare_in_windows(expected, actual, ends)
-    if not result.ok(REAL_KERNEL_TOLERANCE):
-        return result.describe()
-    written = int((~torch.isnan(actual)).sum())
-    if exact_writes and written != result.read_columns:
-        return f"FlyDSL wrote {written} columns, the consumers read {result.read_columns}"
+    actual = torch.empty((rows, max_model_len), dtype=torch.float32, device=q_fp8.device)
+    for name, launch in launches.items():
+        actual.fill_(float("nan"))
+        launch(args, actual)
+        result = compare_in_windows(expected, actual, ends)
+        if not result.ok(REAL_KERNEL_TOLERANCE):
+            return f"FlyDSL {name}: {result.describe()}"
+        written = int((~torch.isnan(actual)).sum())
+        if written != result.read_columns:
+            return f"FlyDSL {name} wrote {written} columns, the consumers read {result.read_columns}"
     return None

@@ -26,7 +26,6 @@ __all__ = [
     "TARGET_MODULE",
     "TARGET_NAME",
     "TARGET_POSITIONAL",
-    "call_key",
     "signature_problem",
     "unpatched",
 ]
@@ -101,35 +100,6 @@ class Call(NamedTuple):
         """The Call of the target's positional ``args`` (``schedule_metadata`` is not read)."""
         q, kv, weights, lens, tables, _, max_model_len = args
         return cls(q, kv, weights, lens, tables, max_model_len, compress_ratio, caller, dcp)
-
-
-def call_key(args: tuple, compress_ratio: int, caller: str | None, dcp: int) -> tuple:
-    """Everything the memoised rules read: shapes, dtypes, contiguity, device and the Python arguments.
-
-    Takes what :meth:`Call.of` takes, so the router looks a verdict up before it builds a Call.
-    The device index keys the CU count (SplitKV) and aiter's per-GPU choices.
-    """
-    q, kv, weights, lens, tables, _, max_model_len = args
-    return (
-        q.shape,
-        kv.shape,
-        weights.shape,
-        lens.shape,
-        tables.shape,
-        q.dtype,
-        kv.dtype,
-        weights.dtype,
-        lens.dtype,
-        tables.dtype,
-        q.is_contiguous(),
-        kv.is_contiguous(),
-        weights.is_contiguous(),
-        q.device.index,
-        max_model_len,
-        compress_ratio,
-        caller,
-        dcp,
-    )
 
 
 class RouterView(Protocol):

@@ -59,7 +59,7 @@ from vllm_flydsl_indexer.agreement import (
 )
 from vllm_flydsl_indexer.kernels import cu_count
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.target import Call, call_key
+from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools.arms import (
     Workspace,
     mirror_hooks,
@@ -524,9 +524,7 @@ def run_behaviour(
             if behaviour.shapes_only:
                 # The memoised rules' verdict and launch, as a call of these shapes gets them:
                 # no tensor is read.
-                route = router._memoise(
-                    call_key(args, 1, step.caller, step.dcp), Call.of(args, 1, step.caller, step.dcp)
-                )
+                route = router._new_route(Call.of(args, 1, step.caller, step.dcp))
                 arm = FLYDSL if route.reason is None else STOCK
                 result.taken.append(arm)
                 result.launches.append(0)

@@ -27,6 +27,34 @@ def flydsl_supports(q_fp8, kv_cache, weights, Preshuffle, KVBlockSize):
     return bool(Preshuffle) and q_fp8.is_contiguous() and kv_cache.is_contiguous() and weights.is_contiguous()
 
 
+def run_paged_mqa_logits(
+    config,
+    q_fp8,
+    kv_cache,
+    weights,
+    out_logits,
+    context_lens,
+    kv_indices,
+    max_model_len,
+    Preshuffle,
+    KVBlockSize,
+):
+    """Launch one explicit config, as aiter's tuner and dispatcher do (its ``backend`` decides)."""
+    aiter.CALLS.append(("dispatcher", {"backend": config["backend"]}))
+    kernel = flydsl_fp8_paged_mqa_logits if config["backend"] == "flydsl" else deepgemm_fp8_paged_mqa_logits
+    return kernel(
+        q_fp8,
+        kv_cache,
+        weights,
+        out_logits,
+        context_lens,
+        kv_indices,
+        max_model_len,
+        Preshuffle=Preshuffle,
+        KVBlockSize=KVBlockSize,
+    )
+
+
 def paged_mqa_logits(
     q_fp8,
     kv_cache,
@@ -43,9 +71,8 @@ def paged_mqa_logits(
     supported = flydsl_supports(q_fp8, kv_cache, weights, Preshuffle, KVBlockSize)
     if config["backend"] == "flydsl" and not supported:
         config = {"backend": "gluon", "ChunkK": 256, "WavePerEU": 2}
-    aiter.CALLS.append(("dispatcher", {"backend": config["backend"]}))
-    kernel = flydsl_fp8_paged_mqa_logits if config["backend"] == "flydsl" else deepgemm_fp8_paged_mqa_logits
-    return kernel(
+    return run_paged_mqa_logits(
+        config,
         q_fp8,
         kv_cache,
         weights,
@@ -53,6 +80,6 @@ def paged_mqa_logits(
         context_lens,
         kv_indices,
         max_model_len,
-        Preshuffle=Preshuffle,
-        KVBlockSize=KVBlockSize,
+        Preshuffle,
+        KVBlockSize,
     )
