@@ -18,7 +18,7 @@ import torch
 from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from test_kernel_variants import SYNC_OPS, SyncAudit
-from vllm_flydsl_indexer import envs, identification, kernels, patch
+from vllm_flydsl_indexer import envs, identification, kernels, patch, selftest
 from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.tools.models import HEADS, eligible_configs
@@ -196,16 +196,20 @@ def _problem(batch: int, heads: int, kvb: int, next_n: int, seed: int, per_row_b
 
 
 def _stock_then_patched(installed, site, target, args, rows, max_model_len, calls=None):
-    """Stock, then the patched call; with ``calls``, a configuration's first-call self-test (stock's
-    Gluon, then this API on its synthetic problem) is checked and dropped from them."""
+    """Stock, then the patched call; with ``calls``, a shape's first-call self-test (stock's Gluon,
+    then this API on its synthetic problem at SplitKV 1 and at its pages, the largest SplitKV any live
+    launch reaches clamped as FlyDSL clamps it) is checked and dropped from them."""
     poison_workspace(rows, max_model_len)
     stock = installed.original(*args, compress_ratio=1).clone()
     poison_workspace(rows, max_model_len)
     tested = len(installed.router.self_tests)
     out = site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
     if calls is not None and len(installed.router.self_tests) > tested:
-        assert [a for a, _ in calls[1:3]] == ["gluon", "flydsl-gfx950-early"] and calls[2] == calls[3], calls
-        del calls[1:3]
+        assert [a for a, _ in calls[1:4]] == ["gluon", *["flydsl-gfx950-early"] * 2], calls
+        # The largest: the live max_model_len's pages, clamped to the synthetic problem's.
+        pages = min(selftest.width(64, args[0].shape[1])[1], -(-max_model_len // 64))
+        assert [k["SplitKV"] for _, k in calls[2:4]] == [1, pages], calls
+        del calls[1:4]
     return stock, out
 
 

@@ -50,14 +50,14 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer import tuning
+from vllm_flydsl_indexer import selftest, tuning
 from vllm_flydsl_indexer.agreement import (
     REAL_KERNEL_TOLERANCE,
     compare_in_windows,
     make_verifier,
     read_window_ends,
 )
-from vllm_flydsl_indexer.kernels import cu_count
+from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, cu_count
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools.arms import (
@@ -461,6 +461,21 @@ def expected_knobs(
     return knobs
 
 
+def self_test_knobs(
+    contract: VariantContract, knobs: dict, block_size: int, next_n: int, max_model_len: int, cus: int
+) -> list[dict]:
+    """The self-test's FlyDSL launches of a shape first taken with ``knobs``: SplitKV 1 and the largest
+    SplitKV a live launch of the shape reaches (batch 1 at aiter's tuner's largest wg_per_cu, or the
+    API's own default if larger), clamped to the self-test problem's pages; once, as ``knobs``, where
+    the API takes no SplitKV."""
+    if contract.split_kv_wg_per_cu is None:
+        return [knobs]
+    most = max(contract.split_kv_wg_per_cu, *TUNER_WG_PER_CU)
+    top = expected_split_kv(cus, 1, max_model_len, block_size, most)
+    top = min(selftest.width(block_size, next_n)[1], top)
+    return [{**knobs, "SplitKV": split} for split in sorted({1, top})]
+
+
 def expect(step: Step, contract: VariantContract, args: tuple, cus: int) -> tuple[str, int, dict | None]:
     """(arm, launches, knobs) that ``contract``'s API must see for ``step``."""
     q, kv, weights, lens, tables, _, max_model_len = args
@@ -509,6 +524,7 @@ def run_behaviour(
             stock, variant, hooks, logger, verifier=verifier, table=table, self_test=behaviour.self_test
         )
         tag = f"as {contract.name}"
+        self_tested: set[tuple] = set()  # the shapes (and bounds) whose self-test ran
         for number, step in enumerate(behaviour.steps, start=1):
             where = f"{tag}, call {number} ({step.shape})"
             if behaviour.shapes_only:
@@ -536,6 +552,15 @@ def run_behaviour(
                     )
                 continue
             q = args[0]
+            knobs_seq = [knobs_wanted] * launches_wanted
+            shape = (step.block_size, step.next_n, step.heads, step.form)
+            if behaviour.self_test and launches_wanted and shape not in self_tested:
+                # A shape's first call: its self-test's launches (a failing one stops at its first),
+                # then the live launch where it passed.
+                self_tested.add(shape)
+                tests = self_test_knobs(contract, knobs_wanted, step.block_size, q.shape[1], args[6], cus)
+                knobs_seq = [*tests, knobs_wanted] if arm_wanted == FLYDSL else tests[:1]
+                launches_wanted = len(knobs_seq)
             rows = q.shape[0] * q.shape[1]
             poison = workspace.get(rows, args[6])
             poison.fill_(float("nan"))
@@ -558,9 +583,9 @@ def run_behaviour(
                     f"{where} launched FlyDSL {result.launches[-1]} time(s), "
                     f"the case requires {launches_wanted}"
                 )
-            for knobs in kernel.knobs[launched:]:
-                if knobs_wanted is not None and knobs != knobs_wanted:
-                    result.problems.append(f"{where} launched with {knobs}, the API must get {knobs_wanted}")
+            for knobs, wanted in zip(kernel.knobs[launched:], knobs_seq, strict=False):
+                if knobs != wanted:
+                    result.problems.append(f"{where} launched with {knobs}, the API must get {wanted}")
             if out is not None:
                 # next_n 1 with (B, 2) bounds: stock's answer is over one length per sequence, its last.
                 lens = per_sequence_context_lens(args[3]) if step.form == "bounds2" else args[3]
