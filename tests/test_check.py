@@ -425,7 +425,10 @@ def test_check_fails_a_flydsl_arm_that_writes_past_the_read_windows(target, work
     assert rc == 1
     # The self-test (on, as serving installs the router) catches it at the configuration's first call.
     assert "FAIL GLM-5.x/DSV4.1 KVB=64 preshuffle next_n=1: FlyDSL failed here: " in out
-    assert "self-test failed: FlyDSL wrote 1280 columns, the consumers read 386" in " ".join(out.split())
+    assert (
+        "self-test failed: FlyDSL at its default launch wrote 1280 columns, the consumers read 386"
+        in " ".join(out.split())
+    )
     # With the self-test off, the case's own comparison catches it.
     monkeypatch.setenv(envs.SELFTEST, "0")
     rc, out = run_check(capsys)

@@ -269,3 +269,239 @@ def test_plugin_turns_it_on_by_default_and_off_with_the_variable(target, monkeyp
     monkeypatch.setattr(vllm_flydsl_indexer, "_registered", False)
     fresh_register()
     assert patch.installed().router.self_test is False
+
+
+# ---------------------------------------------------------------- issue 37: one net, once per shape
+
+
+class Faulty(Kernel):
+    """The gfx950 reference contract with a fault at some launches only (``when(knobs)``)."""
+
+    def __init__(self, fault: str, when=lambda knobs: True):
+        super().__init__()
+        self.planted, self.when = fault, when
+        self.split_kvs: list[int] = []
+
+    def __call__(self, q_fp8, kv_cache, weights, out, lens, tables, max_model_len, **knobs):
+        self.split_kvs.append(knobs.get("SplitKV"))
+        if not self.when(knobs):
+            return super().__call__(q_fp8, kv_cache, weights, out, lens, tables, max_model_len, **knobs)
+        if self.planted == "ignores the block table":
+            tables = torch.arange(tables.numel(), dtype=tables.dtype).view_as(tables) % kv_cache.shape[0]
+        super().__call__(q_fp8, kv_cache, weights, out, lens, tables, max_model_len, **knobs)
+        if self.planted == "writes past a window":
+            batch, next_n = q_fp8.shape[:2]
+            ends = read_window_ends(lens, batch, 1).repeat_interleave(next_n)
+            rows = torch.arange(batch * next_n)
+            inside = ends < max_model_len
+            out[rows[inside], ends[inside]] = 1.0
+        elif self.planted == "reverses rows" and q_fp8.shape[1] > 1:
+            rows = out.view(q_fp8.shape[0], q_fp8.shape[1], -1)
+            rows.copy_(rows.flip(1))
+        return out
+
+
+@pytest.mark.parametrize(
+    ("fault", "next_n", "when"),
+    [
+        ("writes past a window", 1, "always"),
+        ("ignores the block table", 1, "always"),
+        ("reverses rows", 2, "SplitKV 1 only"),
+        ("reverses rows", 2, "the largest SplitKV only"),
+    ],
+)
+def test_self_test_catches_faults_at_either_end_of_the_split_kv_range(
+    make_router, target, plugin_log, fault, next_n, when
+):
+    """The self-test launches FlyDSL at SplitKV 1 and at the largest reachable: a fault at one end
+    only (a shape whose other setting would pass) is caught on the shape's first call."""
+    only = {"always": lambda k: True, "SplitKV 1 only": lambda k: k["SplitKV"] == 1}
+    kernel = Faulty(fault, only.get(when, lambda k: k["SplitKV"] > 1))
+    router = make_router(kernel)
+    p = problem(next_n, 21)
+    out = run(router, target, p)
+    assert agree(target, p, out) and router.calls_taken == 0
+    assert sorted(set(kernel.split_kvs)) == [1, 4] or kernel.split_kvs == [1], kernel.split_kvs
+    found = errors(plugin_log)
+    assert len(found) == 1 and "self-test failed" in found[0], found
+    assert router.self_tests and list(router.self_tests.values())[0] is not None
+
+
+def test_self_test_runs_once_per_shape_over_every_decode_batch(make_router, target, monkeypatch):
+    """DeepSeek-V3.2 (64 heads, the earlier gfx950 kernel, 256 CUs) at next_n 1 and 2 over decode
+    batches 1-256: one self-test per shape and kind of bounds, not per batch or SplitKV."""
+    from vllm_flydsl_indexer import router as router_module
+    from vllm_flydsl_indexer.tools.reference import GFX950_EARLY
+
+    monkeypatch.setattr(router_module, "cu_count", lambda device: 256)
+    runs = []
+    real_run = selftest.run
+    monkeypatch.setattr(selftest, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    launches = []
+
+    def early(q_fp8, kv_cache, weights, out, lens, tables, max_model_len, **knobs):
+        """The contract's answer while the shape's self-test runs; after it, live calls are counted, not
+        computed (nothing compares them here, and 512 reference launches would take minutes)."""
+        launches.append(knobs["SplitKV"])
+        if len(router.self_tests) < q_fp8.shape[1]:
+            reference_variant(GFX950_EARLY).fn(
+                q_fp8, kv_cache, weights, out, lens, tables, max_model_len, **knobs
+            )
+        return out
+
+    variant = dataclasses.replace(reference_variant(GFX950_EARLY), fn=early)
+    router = FlyDSLRouter(
+        target.rocm_fp8_paged_mqa_logits,
+        variant,
+        vllm_stock_hooks(target),
+        logging.getLogger("vllm.plugins.flydsl_indexer"),
+    )
+    gen = torch.Generator().manual_seed(37)
+    calls = 0
+    for next_n in (1, 2):
+        p = make_paged_problem(
+            torch.randint(next_n, 129, (256,), generator=gen).tolist(),
+            next_n=next_n,
+            heads=64,
+            head_dim=128,
+            block_size=64,
+            preshuffle=True,
+            max_model_len=128,
+            spare_blocks=0,
+            generator=gen,
+        )
+        q, kv, weights, lens, tables, meta, max_model_len = p.call_args()
+        for batch in range(1, 257):  # the first ``batch`` sequences of one pool
+            rows = batch * next_n
+            args = (q[:batch], kv, weights[:rows], lens[:batch], tables[:batch], meta, max_model_len)
+            router.call_from(DEFINING, *args)
+            calls += 1
+    assert router.calls_taken == calls and router.calls_delegated == 0
+    assert len(runs) == 2 and len(router.self_tests) == 2, router.self_tests
+    assert all(problem is None for problem in router.self_tests.values())
+    # Each self-test launched SplitKV 1 and the largest any of those batches reached (the pages of
+    # max_model_len 128: 2), and each call once more.
+    assert len(launches) == calls + 4 and max(launches) == 2
+
+
+def test_a_fault_on_a_route_after_another_route_of_the_shape_is_ready(make_router, target, plugin_log):
+    """Batch 4 is taken and ready; batch 3 of the same shape raises at launch: that call gets stock's
+    answer, and the ready batch-4 route is stock from then on (the whole shape is)."""
+    kernel = Kernel()
+    router = make_router(kernel)
+    four = problem(1, 31)
+    assert agree(target, four, run(router, target, four)) and router.calls_taken == 1
+    kernel.fault = "raises"
+    three = problem(1, 32, lens=(7, 70, 9))
+    assert agree(target, three, run(router, target, three)) and router.calls_taken == 1
+    launches = kernel.launches
+    four = problem(1, 33)
+    assert agree(target, four, run(router, target, four))
+    assert kernel.launches == launches and router.calls_taken == 1
+    found = errors(plugin_log)
+    assert len(found) == 1 and "planted kernel failure" in found[0], found
+
+
+def test_capture_guard_needs_both_compiled_and_self_tested(make_router, target, plugin_log):
+    """Inside capture a route launches only when its shape is compiled AND self-tested: either half
+    alone keeps the graph on stock."""
+    capturing = [True]
+    kernel = Kernel()
+    router = make_router(kernel, is_capturing=lambda: capturing[0])
+    p = problem(1, 41)
+    route = router._new_route(Call.of(p.call_args(), 1, DEFINING, 1))
+    assert route.reason is None
+    # Compiled, not self-tested.
+    router.compiled.add(route.config)
+    assert agree(target, p, run(router, target, p)) and kernel.launches == 0
+    # Self-tested, not compiled.
+    router.compiled.clear()
+    router.self_tests[route.test_key] = None
+    assert agree(target, p, run(router, target, p)) and kernel.launches == 0
+    # Both: taken inside capture.
+    router.compiled.add(route.config)
+    run(router, target, p)
+    assert kernel.launches == 1 and router.calls_taken == 1
+
+
+def test_the_self_test_puts_back_vllms_workspace(make_router, target, workspace):
+    """The workspace is vLLM's: after a shape's first call (self-test, then the live launch) every
+    byte outside the call's read windows is what it was before."""
+    kernel = Kernel()
+    router = make_router(kernel)
+    p = problem(2, 51, lens=(300, 250, 280, 299))
+    rows = p.batch * p.next_n
+    view = target.current_workspace_manager().get_simultaneous(((rows, p.max_model_len), torch.float32))[0]
+    view.copy_(torch.randn(view.shape, generator=torch.Generator().manual_seed(52)))
+    before = view.clone()
+    run(router, target, p)
+    assert router.calls_taken == 1 and router.self_tests
+    ends = read_window_ends(p.context_lens, rows, p.next_n).view(-1, 1)
+    outside = torch.arange(p.max_model_len).view(1, -1) >= ends
+    assert torch.equal(view[outside], before[outside])
+
+
+@pytest.mark.parametrize("plant", ["rule", "facts", "hook", "problem builder", "output buffer"])
+def test_nothing_the_router_does_reaches_the_caller(make_router, target, plugin_log, monkeypatch, plant):
+    """One net around the whole call: whatever the router's own work raises, the caller gets stock's
+    answer, one ERROR, and the shape stays stock."""
+    from vllm_flydsl_indexer import router as router_module
+
+    def boom(*args, **kwargs):
+        raise KeyError(f"planted in the {plant}")
+
+    kernel = Kernel()
+    router = make_router(kernel)
+    if plant == "rule":
+        monkeypatch.setattr(router_module, "RULES", (boom, *router_module.RULES))
+    elif plant == "facts":
+        monkeypatch.setattr(router_module, "call_facts", boom)
+    elif plant == "hook":
+        router.hooks = dataclasses.replace(router.hooks, dcp_world_size=boom)
+    elif plant == "problem builder":
+        monkeypatch.setattr(selftest, "synthetic", boom)
+    else:
+        router.self_test = False
+        router.hooks = dataclasses.replace(router.hooks, output_buffer=boom)
+    for seed in (61, 62):
+        p = problem(1, seed)
+        out = run(router, target, p)
+        assert agree(target, p, out)
+    assert router.calls_taken == 0 and kernel.launches == 0
+    found = errors(plugin_log)
+    assert len(found) == 1 and f"planted in the {plant}" in found[0], found
+    assert router.failed
+
+
+def test_breakable_graphs_run_the_router_eagerly_at_every_replay(make_router, target, monkeypatch):
+    """vLLM's breakable CUDA graphs (``eager_break_during_capture``): the op ends the segment, runs
+    eagerly, and runs again at every replay. The router then runs on every step; its first use
+    (compile and self-test) happens once, outside any capture."""
+    breakable = pytest.importorskip("vllm.compilation.breakable_cudagraph")
+    # CPU stand-ins: no CUDA graph segments, and a weak reference is the tensor itself.
+    monkeypatch.setattr(breakable, "_weak_ref_capture_arg", lambda arg: arg)
+
+    class StandIn(breakable.BreakableCUDAGraphCapture):
+        def _begin_segment(self) -> None:
+            self._capturing = True
+
+        def _end_segment(self) -> None:
+            if self._capturing:
+                self.segments.append(lambda: None)
+                self._capturing = False
+
+    capture = StandIn()
+    kernel = Kernel()
+    router = make_router(kernel, is_capturing=lambda: capture._capturing)
+    runs = []
+    real_run = selftest.run
+    monkeypatch.setattr(selftest, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    p = problem(2, 71)
+    op = breakable.eager_break_during_capture(lambda *args: router.call_from(DEFINING, *args))
+    with capture:
+        out = op(*p.call_args())
+    assert capture.num_eager_breaks == 1 and agree(target, p, out.clone())
+    assert router.calls_taken == 1 and len(runs) == 1
+    for _ in range(3):
+        capture.replay()
+    assert router.calls_taken == 4 and len(runs) == 1 and kernel.launches == 2 + 4

@@ -247,10 +247,15 @@ class FlyDSLRouter:
         return self.original(*args, compress_ratio=compress_ratio)
 
     def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller: str | None) -> Route:
-        """The rules' verdict on a call signature not seen before, kept while the memo has room."""
-        dcp = self.hooks.dcp_world_size()
-        route = self._new_route(Call.of(args, compress_ratio, caller, dcp))
-        route.facts = call_facts(args, dcp)
+        """The rules' verdict on a call signature not seen before, kept while the memo has room.
+        A shape that failed stays stock without asking anything again."""
+        config = _config_of(args[0], args[1])
+        if config in self.failed:
+            route = Route(self.failed[config])
+        else:
+            dcp = self.hooks.dcp_world_size()
+            route = self._new_route(Call.of(args, compress_ratio, caller, dcp))
+            route.facts = call_facts(args, dcp)
         if route.reason is not None:
             log_once(self.logger, logging.INFO, "%s %s", STOCK_CALL_LINE, route.reason)
         if len(self._routes) < MAX_MEMOISED_VERDICTS:
@@ -259,17 +264,14 @@ class FlyDSLRouter:
 
     def _new_route(self, call: Call) -> Route:
         """The rules' verdict on ``call``, and its launch where they all pass (no memo, no log)."""
-        config = _config_of(call.q_fp8, call.kv_cache)
-        if config in self.failed:
-            return Route(self.failed[config])
         cus = cu_count(call.q_fp8.device)
         self._drop_foreign_table(cus)
         for rule in RULES:
             reason = rule(call, self)
             if reason is not None:
                 return Route(reason)
-        batch = call.q_fp8.shape[0]
-        block_size = config.block_size
+        config = _config_of(call.q_fp8, call.kv_cache)
+        batch, block_size = call.q_fp8.shape[0], config.block_size
         # The table rule has passed: a FlyDSL pick here is launched with its row's knob, as measured.
         pick = tuning.pick_for(call, self, cus)
         wg_per_cu = pick.wg_per_cu if pick is not None else 0
