@@ -1,19 +1,29 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Host time per decode-logits call: stock vLLM vs the plugin's patched call.
+"""Host time per decode-logits call: stock vLLM vs the plugin's patched call, both paths, defaults on.
 
 Runs the installed vLLM's real ``rocm_fp8_paged_mqa_logits`` on CPU under the test
-suite's gfx950 simulation (amdsmi and aiter doubles from ``tests/doubles``),
-with both kernels replaced by no-ops so only Python host work is timed: the
-stock function's own checks, workspace lookup and argument handling, against
-the plugin's router. Both arms are timed side by side, interleaved, in one run.
+suite's gfx950 simulation (amdsmi and aiter doubles from ``tests/doubles``), with
+every default on (the self-test included). Each shape is warmed first with the
+doubles' kernels, which honour the two contracts, so the self-test passes and
+the route is ready; then both kernels are replaced by no-ops, so only Python
+host work is timed: the stock function's own checks, workspace lookup and
+argument handling, against the plugin's wrapper and router.
 
-    python benchmarks/host_overhead.py [--calls 20000] [--rounds 7] [--json out.json] [--tuned-csv T.csv]
+Two paths, each against stock's own function on the same call, all four arms
+interleaved round by round in one run:
 
-``--tuned-csv`` loads a tuned table (``VLLM_FLYDSL_INDEXER_TUNED_CSV``) that must
-send the timed shape to FlyDSL, to show the table costs the hot path nothing.
+* **taken**: a shape the router sends to FlyDSL (heads 64, head_dim 128);
+* **stock-bound**: a shape the router hands to stock (head_dim 96, which no
+  FlyDSL API takes): the wrapper and the router's memoised verdict, then stock.
 
-In PIECEWISE graph mode the call runs once per layer per step (61 layers on
-DeepSeek-V3.2), so the per-call difference times 61 is the per-step cost.
+    python benchmarks/host_overhead.py [--calls 20000] [--rounds 7] [--next-n 2] [--json out.json]
+
+``--standalone`` needs no vLLM: this package's stock copy of vLLM's gfx950 branch
+against the router over it, on the GPU if one is present.
+
+With breakable CUDA graphs, or in PIECEWISE mode, the call runs eagerly once per
+layer per step (61 layers on DeepSeek-V3.2): the per-call difference times 61 is
+the per-step cost.
 """
 
 from __future__ import annotations
@@ -26,40 +36,82 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DOUBLES = ROOT / "tests" / "doubles"
 LAYERS_DSV32 = 61
+TAKEN = dict(heads=64, head_dim=128)
+STOCK_BOUND = dict(heads=64, head_dim=96)  # no FlyDSL API takes head_dim 96
 
 
-def setup_simulation() -> None:
-    os.environ["VLLM_ROCM_USE_AITER"] = "1"
-    os.environ["VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"] = "1"
-    for sub in ("aiter_flydsl", "amdsmi_gfx950"):
-        sys.path.insert(0, str(DOUBLES / sub))
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=20000, help="calls per round and arm")
-    parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds; the median is reported")
-    parser.add_argument("--next-n", type=int, default=2)
-    parser.add_argument("--json", dest="json_path")
-    parser.add_argument("--tuned-csv", help="register with this tuned table loaded")
+    parser.add_argument("--calls", type=positive, default=20000, help="calls per round and arm")
+    parser.add_argument(
+        "--rounds", type=positive, default=7, help="interleaved rounds; the median is reported"
+    )
+    parser.add_argument("--next-n", type=positive, default=2, choices=range(1, 9), metavar="1..8")
+    parser.add_argument("--json", dest="json_path", help="write the figures and every sample here")
     parser.add_argument(
         "--standalone",
         action="store_true",
-        help="no vLLM: time vLLM 0.33.0's Gluon branch as mirrored in arms.stock_call against the router, "
+        help="no vLLM: this package's stock copy of vLLM's gfx950 branch against the router over it, "
         "on the GPU if one is present (this includes the per-call capture check there)",
     )
     args = parser.parse_args()
-    if args.standalone:
-        return standalone(args)
+    arms, where = (standalone if args.standalone else simulated)(args.next_n)
+    per_call = interleaved(arms, args.calls, args.rounds)
+    median = {name: statistics.median(samples) for name, samples in per_call.items()}
+    result = {
+        "where": where,
+        "cpu": _cpu_name(),
+        "python": sys.version.split()[0],
+        "next_n": args.next_n,
+        "calls_per_round": args.calls,
+        "rounds": args.rounds,
+        "median_us": {name: round(v, 3) for name, v in median.items()},
+        "samples_us": {name: [round(v, 3) for v in vs] for name, vs in per_call.items()},
+    }
+    print(f"host time per call, {where} (median of {args.rounds} interleaved rounds x {args.calls} calls)")
+    for path in ("taken", "stock-bound"):
+        stock, patched = median[f"stock ({path} shape)"], median[f"patched, {path}"]
+        delta = patched - stock
+        result[path] = {
+            "stock_us": round(stock, 3),
+            "patched_us": round(patched, 3),
+            "delta_us": round(delta, 3),
+            "ratio": round(patched / stock, 3),
+            "delta_per_step_61_layers_us": round(delta * LAYERS_DSV32, 1),
+        }
+        print(
+            f"  {path:<12} stock {stock:7.2f} us  patched {patched:7.2f} us  delta {delta:+6.2f} us  "
+            f"ratio {patched / stock:.3f}  ({delta * LAYERS_DSV32:+.1f} us per step at {LAYERS_DSV32} layers)"
+        )
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
 
-    setup_simulation()
-    if args.tuned_csv:
-        os.environ["VLLM_FLYDSL_INDEXER_TUNED_CSV"] = args.tuned_csv
+
+def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
+    """The four arms through real vLLM on CPU, warmed with the doubles, then timed with no-op kernels."""
+    os.environ["VLLM_ROCM_USE_AITER"] = "1"
+    os.environ["VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"] = "1"
+    for name in (
+        "VLLM_FLYDSL_INDEXER_SELFTEST",
+        "VLLM_FLYDSL_INDEXER_TUNED_CSV",
+        "VLLM_FLYDSL_INDEXER_VERIFY",
+    ):
+        os.environ.pop(name, None)  # every default on
+    for sub in ("aiter_flydsl", "amdsmi_gfx950"):
+        sys.path.insert(0, str(DOUBLES / sub))
     import aiter.ops.triton.pa_mqa_logits as gluon
     import torch
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as target
@@ -68,134 +120,111 @@ def main() -> int:
     import vllm_flydsl_indexer
     from vllm_flydsl_indexer import patch
     from vllm_flydsl_indexer.callers import call_site_in
-    from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
-    def noop(*a, **k):
-        return None
-
-    gluon.deepgemm_fp8_paged_mqa_logits = noop
     init_workspace_manager(torch.device("cpu"))
     vllm_flydsl_indexer.register()
     installed = patch.installed()
-    assert installed is not None, "plugin did not activate under the simulation"
-    installed.router.variant = dataclasses.replace(installed.router.variant, fn=noop)
-    assert not args.tuned_csv or installed.router.table is not None, "the tuned table was not loaded"
-
-    p = make_paged_problem(
-        [4096] * 4, next_n=args.next_n, heads=64, head_dim=128, block_size=64, preshuffle=True, spare_blocks=0
+    assert installed is not None, "the plugin did not activate under the simulation"
+    router = installed.router
+    assert router.self_test, "the self-test is on by default"
+    site = call_site_in(target)  # both arms called as the defining module's indexer calls them
+    stock, patched = installed.original, target.rocm_fp8_paged_mqa_logits
+    taken_args, bound_args = (
+        _problem(next_n, torch.device("cpu"), **shape) for shape in (TAKEN, STOCK_BOUND)
     )
-    call_args = p.call_args()
-    # Both arms are called from code living in the defining module, as its indexer calls them,
-    # so the patched arm pays the wrapper's caller lookup and the caller rule exactly as in serving.
-    site = call_site_in(target)
+    # Warm-up on the doubles' kernels: the self-test passes, the taken route is ready.
+    taken = router.calls_taken
+    site(patched, taken_args, {})
+    site(patched, bound_args, {})
+    assert router.calls_taken == taken + 1 and list(router.self_tests.values()) == [None], router.self_tests
+    noop = _noop
+    gluon.deepgemm_fp8_paged_mqa_logits = noop
+    router.variant = dataclasses.replace(router.variant, fn=noop)
     arms = {
-        "stock": lambda *a: site(installed.original, a, {}),
-        "patched": lambda *a: site(target.rocm_fp8_paged_mqa_logits, a, {}),
+        "stock (taken shape)": lambda: site(stock, taken_args, {}),
+        "patched, taken": lambda: site(patched, taken_args, {}),
+        "stock (stock-bound shape)": lambda: site(stock, bound_args, {}),
+        "patched, stock-bound": lambda: site(patched, bound_args, {}),
     }
-    for fn in arms.values():  # warm caches (lru_cache, info_once)
-        for _ in range(100):
-            fn(*call_args)
-    taken_before = installed.router.calls_taken
-
-    per_call = interleaved(arms, call_args, args.calls, args.rounds)
-    assert installed.router.calls_taken - taken_before == args.rounds * args.calls, "patched arm delegated"
-
-    stock = statistics.median(per_call["stock"])
-    patched = statistics.median(per_call["patched"])
-    result = {
-        "cpu": _cpu_name(),
-        "python": sys.version.split()[0],
-        "torch": torch.__version__,
-        "vllm": importlib.metadata.version("vllm"),
-        "next_n": args.next_n,
-        "tuned_csv": Path(args.tuned_csv).name if args.tuned_csv else None,
-        "calls_per_round": args.calls,
-        "rounds": args.rounds,
-        "stock_us": round(stock, 3),
-        "patched_us": round(patched, 3),
-        "delta_us": round(patched - stock, 3),
-        "ratio": round(patched / stock, 3),
-        "delta_per_step_61_layers_us": round((patched - stock) * LAYERS_DSV32, 1),
-        "samples_us": {k: [round(v, 3) for v in vs] for k, vs in per_call.items()},
-    }
-    setup = f"{args.rounds} interleaved rounds x {args.calls} calls, next_n={args.next_n}"
-    print(f"host time per call, vLLM {result['vllm']} (median of {setup})")
-    print(f"  stock   {stock:8.2f} us")
-    print(f"  patched {patched:8.2f} us")
-    print(
-        f"  delta   {patched - stock:+8.2f} us  ratio {patched / stock:.3f}  "
-        f"({(patched - stock) * LAYERS_DSV32:+.1f} us per step at {LAYERS_DSV32} layers)"
-    )
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(result, indent=1))
-    return 0
+    version = importlib.metadata.version("vllm")
+    return _checked(arms, router), f"vLLM {version} on CPU (gfx950 simulation), torch {torch.__version__}"
 
 
-def interleaved(arms: dict, call_args: tuple, calls: int, rounds: int) -> dict[str, list[float]]:
-    per_call: dict[str, list[float]] = {name: [] for name in arms}
-    for _ in range(rounds):
-        for name, fn in arms.items():
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn(*call_args)
-            per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
-    return per_call
-
-
-def standalone(args) -> int:
+def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
+    """The four arms without vLLM: the stock copy and the router over it (the GPU if present)."""
     import torch
 
-    from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
-    from vllm_flydsl_indexer.tools.reference import make_paged_problem
-
-    def noop(*a, **k):
-        return None
+    from vllm_flydsl_indexer.callers import DEFINING_MODULE
+    from vllm_flydsl_indexer.router import FlyDSLRouter
+    from vllm_flydsl_indexer.tools.arms import Workspace, mirror_hooks, reference_arms, stock_call
+    from vllm_flydsl_indexer.tools.arms import reference_variant as contract_variant
+    from vllm_flydsl_indexer.tools.reference import GENERAL
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    taken_args, bound_args = (_problem(next_n, device, **shape) for shape in (TAKEN, STOCK_BOUND))
+    kernels = {"gluon": reference_arms().gluon}
+    workspace = Workspace(4 * next_n, taken_args[6], device)
+    stock = stock_call(lambda *a, **k: kernels["gluon"](*a, **k), workspace)
+    import logging
+
+    router = FlyDSLRouter(
+        stock, contract_variant(GENERAL), mirror_hooks(workspace), logging.getLogger("bench")
+    )
+    router.call_from(DEFINING_MODULE, *taken_args)
+    router.call_from(DEFINING_MODULE, *bound_args)
+    assert router.calls_taken == 1 and list(router.self_tests.values()) == [None], router.self_tests
+    kernels["gluon"] = _noop
+    router.variant = dataclasses.replace(router.variant, fn=_noop)
+    arms = {
+        "stock (taken shape)": lambda: stock(*taken_args),
+        "patched, taken": lambda: router.call_from(DEFINING_MODULE, *taken_args),
+        "stock (stock-bound shape)": lambda: stock(*bound_args),
+        "patched, stock-bound": lambda: router.call_from(DEFINING_MODULE, *bound_args),
+    }
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return _checked(arms, router), f"standalone (no vLLM) on {where} tensors, torch {torch.__version__}"
+
+
+def _noop(*args, **kwargs) -> None:
+    return None
+
+
+def _problem(next_n: int, device, heads: int, head_dim: int) -> tuple:
+    from vllm_flydsl_indexer.tools.reference import make_paged_problem
+
     p = make_paged_problem(
         [4096] * 4,
-        next_n=args.next_n,
-        heads=64,
-        head_dim=128,
+        next_n=next_n,
+        heads=heads,
+        head_dim=head_dim,
         block_size=64,
         preshuffle=True,
         spare_blocks=0,
         device=device,
     )
-    ws = Workspace(p.batch * p.next_n, p.max_model_len, device)
-    router = patched_call(Arms(False, "no-op kernels", "", noop, noop), ws)
-    arms = {"stock": stock_call(noop, ws), "patched": from_defining_module(router)}
-    call_args = p.call_args()
+    return p.call_args()
+
+
+def _checked(arms: dict, router) -> dict:
+    """``arms``, each called 100 times (warm caches: lru_cache, info_once), the paths checked."""
+    taken, delegated = router.calls_taken, router.calls_delegated
     for fn in arms.values():
         for _ in range(100):
-            fn(*call_args)
-    per_call = interleaved(arms, call_args, args.calls, args.rounds)
-    assert router.calls_delegated == 0
-    stock, patched = statistics.median(per_call["stock"]), statistics.median(per_call["patched"])
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(
-        f"standalone host time per call on {where} tensors, CPU {_cpu_name()}, cuda initialised: "
-        f"{torch.cuda.is_initialized()}"
-    )
-    print(f"  stock (mirrored) {stock:8.2f} us\n  patched          {patched:8.2f} us")
-    print(f"  delta {patched - stock:+.2f} us  ratio {patched / stock:.3f}")
-    if args.json_path:
-        Path(args.json_path).write_text(
-            json.dumps(
-                {
-                    "mode": "standalone",
-                    "device": where,
-                    "cpu": _cpu_name(),
-                    "stock_us": stock,
-                    "patched_us": patched,
-                    "delta_us": patched - stock,
-                    "ratio": patched / stock,
-                    "samples_us": per_call,
-                },
-                indent=1,
-            )
-        )
-    return 0
+            fn()
+    assert router.calls_taken == taken + 100, "the taken arm went to stock"
+    assert router.calls_delegated == delegated + 100, "the stock-bound arm was taken"
+    return arms
+
+
+def interleaved(arms: dict, calls: int, rounds: int) -> dict[str, list[float]]:
+    per_call: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, fn in arms.items():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter() - t0) / calls * 1e6)
+    return per_call
 
 
 def _cpu_name() -> str:

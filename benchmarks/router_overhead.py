@@ -1,19 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The router's own host time per taken call: no vLLM, a no-op kernel, stub hooks.
+"""The router's own host time per call, defaults on: no vLLM, no-op kernels, stub hooks.
 
-Times ``FlyDSLRouter.call_from`` on a memoised, taken route (the hot path of
-every decode step after warm-up), with the kernel a no-op and vLLM's hooks
-stubbed, so only the router's Python work is timed. It imports whichever
-vllm_flydsl_indexer is installed; to compare two revisions, install each into
-its own venv and alternate the runs (host_overhead.py times the whole patched
-call against stock inside real vLLM instead).
+Times ``FlyDSLRouter.call_from`` on a ready, taken route (the hot path of every
+decode step after warm-up) and on a memoised stock-bound route, against a bare
+call of the stub that stands for stock, so only the router's Python work is
+timed. The self-test is on: each shape is warmed first with the reference
+contracts (pure torch, which agree), then both kernels become no-ops.
 
     python benchmarks/router_overhead.py [--rounds 200] [--calls 500]
+
+host_overhead.py times the whole patched call against stock inside real vLLM.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import time
@@ -27,49 +29,76 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def ns_per_call(next_n: int, rounds: int, calls: int) -> float:
+def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
     import torch
 
-    from vllm_flydsl_indexer import kernels
     from vllm_flydsl_indexer.router import FlyDSLRouter
-    from vllm_flydsl_indexer.stock import StockHooks
-    from vllm_flydsl_indexer.tools.reference import make_paged_problem
+    from vllm_flydsl_indexer.tools.arms import reference_arms, reference_variant
+    from vllm_flydsl_indexer.tools.reference import GENERAL, make_paged_problem
 
-    p = make_paged_problem(
-        [130, 5, 64, 77],
-        next_n=next_n,
-        heads=64,
-        head_dim=128,
-        block_size=64,
-        preshuffle=True,
-        generator=torch.Generator().manual_seed(1),
-    )
-    out = torch.empty(p.batch * next_n, p.max_model_len)
-    variant = kernels.KernelVariant(
-        "general", lambda *a, **k: None, "no-op", kernels.Limits(), "a no-op launch"
-    )
+    def problem(head_dim: int):
+        return make_paged_problem(
+            [130, 5, 64, 77],
+            next_n=next_n,
+            heads=64,
+            head_dim=head_dim,
+            block_size=64,
+            preshuffle=True,
+            generator=torch.Generator().manual_seed(1),
+        ).call_args()
+
+    taken, bound = problem(128), problem(96)  # no FlyDSL API takes head_dim 96
+    out = torch.empty(4 * next_n, taken[6])
+    kernels = {"gluon": reference_arms().gluon}
+
+    def stock(q, kv, weights, lens, tables, meta, max_model_len, *, compress_ratio=1):
+        kernels["gluon"](q, kv, weights, out, lens, tables, max_model_len, Preshuffle=True, KVBlockSize=64)
+        return out
+
+    from vllm_flydsl_indexer.stock import StockHooks
+
     hooks = StockHooks(
         preshuffle=lambda bs: bs > 1,
         gluon_objection=lambda ratio, bs: None,
-        output_buffer=lambda rows, mml: out,
-        per_sequence_lens=lambda t: t,
+        output_buffer=lambda rows, mml: out[:rows, :mml],
+        per_sequence_lens=lambda t: t[:, -1].contiguous() if t.dim() == 2 and t.shape[1] > 1 else t,
         dcp_world_size=lambda: 1,
     )
     router = FlyDSLRouter(
-        lambda *a, **k: out, variant, hooks, logging.getLogger("router_overhead"), is_capturing=lambda: False
+        stock,
+        reference_variant(GENERAL),
+        hooks,
+        logging.getLogger("router_overhead"),
+        is_capturing=lambda: False,
     )
-    args = p.call_args()
-    for _ in range(100):
-        router.call_from(CALLER, *args, compress_ratio=1)
-    if router.calls_taken != 100:
-        raise SystemExit(f"router_overhead: the route was not taken ({router.calls_delegated} delegated)")
-    per_round = []
+    # Warm-up on the reference contracts: the self-test passes and the taken route is ready.
+    router.call_from(CALLER, *taken, compress_ratio=1)
+    router.call_from(CALLER, *bound, compress_ratio=1)
+    if router.calls_taken != 1 or list(router.self_tests.values()) != [None]:
+        raise SystemExit(f"router_overhead: warm-up did not take the route ({router.self_tests})")
+
+    def noop(*args, **kwargs):
+        return None
+
+    kernels["gluon"] = noop
+    router.variant = dataclasses.replace(router.variant, fn=noop)
+    arms = {
+        "stock stub": lambda: stock(*taken, compress_ratio=1),
+        "taken": lambda: router.call_from(CALLER, *taken, compress_ratio=1),
+        "stock-bound": lambda: router.call_from(CALLER, *bound, compress_ratio=1),
+    }
+    before = (router.calls_taken, router.calls_delegated)
+    samples: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(rounds):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
-            router.call_from(CALLER, *args, compress_ratio=1)
-        per_round.append((time.perf_counter_ns() - start) / calls)
-    return statistics.median(per_round)
+        for name, fn in arms.items():
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            samples[name].append((time.perf_counter_ns() - start) / calls)
+    made = rounds * calls
+    if (router.calls_taken - before[0], router.calls_delegated - before[1]) != (made, made):
+        raise SystemExit("router_overhead: a timed call took the other path")
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> None:
@@ -77,7 +106,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=positive, default=200, help="timed rounds; the median is reported")
     parser.add_argument("--calls", type=positive, default=500, help="calls per round")
     args = parser.parse_args()
-    print(" ".join(f"next_n={n}: {ns_per_call(n, args.rounds, args.calls):.0f} ns" for n in (1, 2)))
+    for next_n in (1, 2):
+        ns = ns_per_call(next_n, args.rounds, args.calls)
+        stub, taken, bound = ns["stock stub"], ns["taken"], ns["stock-bound"]
+        print(
+            f"next_n={next_n}: stock stub {stub:.0f} ns; router taken {taken:.0f} ns ({taken - stub:+.0f}); "
+            f"stock-bound {bound:.0f} ns ({bound - stub:+.0f})"
+        )
 
 
 if __name__ == "__main__":

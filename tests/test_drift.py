@@ -486,3 +486,31 @@ def test_hooks_preshuffle_is_what_stock_passes_gluon(target, monkeypatch, block_
         monkeypatch.setattr(target, "_ON_RDNA", False)
         monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs >= 32)
         assert hooks.preshuffle(block_size) is (block_size >= 32)
+
+
+def test_the_indexer_op_breaks_breakable_graphs_and_runs_eagerly():
+    """Breakable CUDA graphs (docs/vllm-audit.md): the defining module's indexer op is vLLM's
+    ``eager_break_during_capture`` wrapper, and ``add_eager`` ends the capture segment before it runs
+    the op, so the router never runs inside a capture and runs again at every replay."""
+    import inspect
+    import textwrap
+
+    breakable = pytest.importorskip("vllm.compilation.breakable_cudagraph")
+    module = importlib.import_module(TARGET_MODULE)
+    op = module.rocm_aiter_sparse_attn_indexer
+    assert op.__code__ is breakable.eager_break_during_capture(lambda: None).__code__
+    assert TARGET_NAME in inspect.getsource(op.__wrapped__)
+    body = [
+        type(node.value).__name__ + ":" + ast.unparse(node)
+        for node in ast.parse(
+            textwrap.dedent(inspect.getsource(breakable.BreakableCUDAGraphCapture.add_eager))
+        )
+        .body[0]
+        .body
+        if not isinstance(node, ast.Expr) or not isinstance(node.value, ast.Constant)
+    ]
+    ends = body.index("Call:self._end_segment()")
+    runs = next(i for i, line in enumerate(body) if line.endswith("= fn()"))
+    records = body.index("Call:self.segments.append(fn)")
+    begins = body.index("Call:self._begin_segment()")
+    assert ends < runs < records < begins, body

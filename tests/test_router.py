@@ -245,19 +245,25 @@ def test_no_first_time_compile_inside_capture(plugin_log):
 def test_memoised_verdict_still_checks_contiguity_live():
     p = base_problem()
     original = Recorder()
-    router = router_for(original)
+    launches = []
+    router = router_for(original, fn=lambda *a, **k: launches.append(a[1].is_contiguous()))
     call = functools.partial(router.call_from, DEFINING_MODULE)
     call(*as_args(p), compress_ratio=1)
     assert router.calls_taken == 1
-    # Same shape and dtype, but a strided view: must not reuse the earlier verdict.
+    # Same shape and dtype, but a strided view: must not reuse the earlier verdict (nor reach the
+    # kernel, whose own argument check would otherwise be the only guard).
     wide = torch.randint(0, 256, (p.kv_cache.shape[0], 64, 1, 2 * 132), dtype=torch.uint8)
     strided = wide[..., :132]
     assert strided.shape == p.kv_cache.shape and not strided.is_contiguous()
     assert call(*as_args(p, kv_cache_fp8=strided), compress_ratio=1) is original.marker
+    assert launches == [True]
+    # The contiguous call keeps its verdict.
+    call(*as_args(p), compress_ratio=1)
+    assert router.calls_taken == 2 and launches == [True, True]
     # And a different DCP size is a different verdict for next_n > 1.
     router.hooks = hooks(dcp=2)
     assert call(*as_args(p), compress_ratio=1) is original.marker
-    assert router.calls_taken == 1 and len(original.calls) == 2
+    assert router.calls_taken == 2 and len(original.calls) == 2
 
 
 def test_the_caller_is_part_of_the_memoised_verdict():
