@@ -48,11 +48,32 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
         ).call_args()
 
     taken, bound = problem(128), problem(96)  # no FlyDSL API takes head_dim 96
-    out = torch.empty(4 * next_n, taken[6])
     kernels = {"gluon": reference_arms().gluon}
+    buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def output_buffer(rows: int, max_model_len: int) -> torch.Tensor:
+        return buffers.setdefault((rows, max_model_len), torch.empty(rows, max_model_len))
+
+    def per_sequence_lens(lens: torch.Tensor) -> torch.Tensor:
+        return lens[:, -1].contiguous() if lens.dim() == 2 and lens.shape[1] > 1 else lens
 
     def stock(q, kv, weights, lens, tables, meta, max_model_len, *, compress_ratio=1):
-        kernels["gluon"](q, kv, weights, out, lens, tables, max_model_len, Preshuffle=True, KVBlockSize=64)
+        """The stub that stands for vLLM's original: its output buffer and its Gluon launch."""
+        out = output_buffer(q.shape[0] * q.shape[1], max_model_len)
+        block_size = kv.shape[1]
+        lens = per_sequence_lens(lens)
+        gluon = kernels["gluon"]
+        gluon(
+            q,
+            kv,
+            weights,
+            out,
+            lens,
+            tables,
+            max_model_len,
+            Preshuffle=block_size > 1,
+            KVBlockSize=block_size,
+        )
         return out
 
     from vllm_flydsl_indexer.stock import StockHooks
@@ -60,8 +81,8 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
     hooks = StockHooks(
         preshuffle=lambda bs: bs > 1,
         gluon_objection=lambda ratio, bs: None,
-        output_buffer=lambda rows, mml: out[:rows, :mml],
-        per_sequence_lens=lambda t: t[:, -1].contiguous() if t.dim() == 2 and t.shape[1] > 1 else t,
+        output_buffer=output_buffer,
+        per_sequence_lens=per_sequence_lens,
         dcp_world_size=lambda: 1,
     )
     router = FlyDSLRouter(

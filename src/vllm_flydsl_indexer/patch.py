@@ -104,8 +104,15 @@ def wrap(original: Callable, router: FlyDSLRouter) -> Callable:
     caller_frame = sys._getframe
 
     @functools.wraps(original)
-    def rocm_fp8_paged_mqa_logits(*args, **kwargs):
-        return route(caller_frame(1).f_globals.get("__name__"), *args, **kwargs)
+    def rocm_fp8_paged_mqa_logits(
+        q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len, *,
+        compress_ratio=1,
+    ):  # fmt: skip
+        caller = caller_frame(1).f_globals.get("__name__")
+        return route(
+            caller, q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+            max_model_len, compress_ratio=compress_ratio,
+        )  # fmt: skip
 
     setattr(rocm_fp8_paged_mqa_logits, MARKER, True)
     rocm_fp8_paged_mqa_logits.router = router  # type: ignore[attr-defined]

@@ -226,25 +226,61 @@ class FlyDSLRouter:
         compress_ratio: int = 1,
     ) -> torch.Tensor:
         """Route one call made from module ``caller`` (``None``: unknown)."""
-        args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len)
+        # The hot paths first, every step once warm: a memoised stock verdict calls stock at once.
         key = route = None
         try:
             key = (q_fp8.shape, kv_cache_fp8.shape, context_lens.shape, max_model_len, compress_ratio, caller)
-            route = self._routes.get(key) or self._memoise(key, args, compress_ratio, caller)
-            if route.reason is None:
-                facts = call_facts(args, self.hooks.dcp_world_size())
-                if facts != route.facts:
-                    key = (key, facts)
-                    route = self._routes.get(key) or self._memoise(key, args, compress_ratio, caller)
-            if route.reason is None:
-                ready = route.ready
-                out = self._launch(route, args) if ready else self._first_calls(route, args, compress_ratio)
+            route = self._routes.get(key)
+            stock = route is not None and route.reason is not None
+        except Exception:  # noqa: BLE001 - the full path below says why, in its own net
+            stock = False
+        if not stock:
+            args = (
+                q_fp8,
+                kv_cache_fp8,
+                weights,
+                context_lens,
+                block_tables,
+                schedule_metadata,
+                max_model_len,
+            )
+            try:
+                out = self._flydsl_or_none(key, route, args, compress_ratio, caller)
                 if out is not None:
                     return out
-        except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
-            self._router_failed(e, key, route, args)
+            except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
+                self._router_failed(e, key, route, args)
         self.calls_delegated += 1
-        return self.original(*args, compress_ratio=compress_ratio)
+        return self.original(
+            q_fp8,
+            kv_cache_fp8,
+            weights,
+            context_lens,
+            block_tables,
+            schedule_metadata,
+            max_model_len,
+            compress_ratio=compress_ratio,
+        )
+
+    def _flydsl_or_none(
+        self, key: tuple, route: Route | None, args: tuple, compress_ratio: int, caller: str | None
+    ) -> torch.Tensor | None:
+        """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's."""
+        if key is None:  # the hot path could not build it: build it here, inside the net
+            q_fp8, kv_cache, _, context_lens, _, _, max_model_len = args
+            key = (q_fp8.shape, kv_cache.shape, context_lens.shape, max_model_len, compress_ratio, caller)
+        if route is None:
+            route = self._memoise(key, args, compress_ratio, caller)
+        if route.reason is None:
+            facts = call_facts(args, self.hooks.dcp_world_size())
+            if facts != route.facts:
+                key = (key, facts)
+                route = self._routes.get(key) or self._memoise(key, args, compress_ratio, caller)
+        if route.reason is not None:
+            return None
+        if route.ready:
+            return self._launch(route, args)
+        return self._first_calls(route, args, compress_ratio)
 
     def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller: str | None) -> Route:
         """The rules' verdict on a call signature not seen before, kept while the memo has room.
