@@ -37,8 +37,10 @@ Patch registry (two patches, installed and undone together):
   global, so replacing that global is enough (``tests/test_reach.py`` pins it).
 * **Upstream:** none; retire it with the router.
 
-Why it is safe: everything is resolved before anything changes, the swap is
-plain attribute assignment, and :func:`uninstall` restores every binding.
+Why it is safe: everything is resolved before anything changes (the router's
+hooks hold every vLLM object they use, after :mod:`vllm_flydsl_indexer.content`
+checked that the original does what they mirror), the swap is plain attribute
+assignment, and :func:`uninstall` restores every binding.
 """
 
 from __future__ import annotations
@@ -153,7 +155,11 @@ def install(
     table: TunedTable | None = None,
     self_test: bool = True,
 ) -> InstalledPatch:
-    """Replace every binding of the target with the router. Idempotent."""
+    """Replace every binding of the target with the router. Idempotent.
+
+    Resolves the router's vLLM hooks first (:func:`vllm_stock_hooks`): where the original does not do
+    what they mirror, or a name they use is gone, it raises before anything changes.
+    """
     global _installed
     current = vars(target)[TARGET_NAME]
     if getattr(current, MARKER, False):
