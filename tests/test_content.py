@@ -9,12 +9,13 @@ module. Each stays stock at start-up, with one WARNING naming what differed.
 from __future__ import annotations
 
 import ast
+import importlib.util
 import logging
 from pathlib import Path
 
 import pytest
 
-from vllm_flydsl_indexer import content, envs, patch
+from vllm_flydsl_indexer import content, envs, gates, patch
 from vllm_flydsl_indexer.target import MARKER, TARGET_NAME
 
 STOCK = "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: "
@@ -219,3 +220,70 @@ def test_check_does_not_take_a_drifted_vllm_for_stock(target, monkeypatch, tmp_p
     monkeypatch.setattr(target, TARGET_NAME, fn)
     found, why = paths.vllm_target()
     assert found is None and why.startswith(f"{WHERE}passes context_lens unreduced to Gluon")
+
+
+# The in-tree gate reads code: a call of a FlyDSL function, not a mention.
+
+
+def in_tree_with(target, monkeypatch, tmp_path, *edits: str) -> str | None:
+    """The in-tree gate's answer where the target module's file is ``target``'s with ``edits``."""
+    path, _ = edited(target, tmp_path, *edits)
+    real = importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == target.__name__:
+            return importlib.util.spec_from_file_location(name, path)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    return gates.in_tree_route()
+
+
+MENTIONS = {
+    "comment": "    # FlyDSL: aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits() is faster at some shapes\n",
+    "docstring": '    """flydsl_fp8_paged_mqa_logits(q) would do; not called here."""\n',
+    "string argument": '    logger.debug("flydsl_fp8_paged_mqa_logits() not used")\n',
+    "a name that is not called": "    _flydsl = None\n",
+}
+
+
+@pytest.mark.parametrize("mention", MENTIONS)
+def test_a_mention_of_flydsl_is_not_an_in_tree_route(
+    target, original_target, monkeypatch, tmp_path, fresh_register, plugin_log, mention
+):
+    anchor = "    aiter_paged_mqa_logits_module = None\n"
+    assert in_tree_with(target, monkeypatch, tmp_path, anchor, MENTIONS[mention] + anchor) is None
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    assert vars(target)[TARGET_NAME].__wrapped__ is original_target
+    assert "FlyDSL paged MQA logits ACTIVE" in plugin_log[0].getMessage()
+
+
+IMPORT = "    from vllm._aiter_ops import rocm_aiter_ops\n"
+
+
+@pytest.mark.parametrize(
+    "edits",
+    [
+        ("paged_mqa_logits_module()", "flydsl_fp8_paged_mqa_logits()"),
+        ("paged_mqa_logits_module()", "aiter.ops.flydsl.run()"),
+        # Imported from a FlyDSL module under another name.
+        (
+            IMPORT,
+            IMPORT + "    from aiter.ops.flydsl import flydsl_fp8_paged_mqa_logits as fast\n",
+            "paged_mqa_logits_module()",
+            "fast()",
+        ),
+    ],
+)
+def test_a_call_of_a_flydsl_function_is_an_in_tree_route(target, monkeypatch, tmp_path, edits):
+    assert in_tree_with(target, monkeypatch, tmp_path, *edits) == (
+        f"{target.__name__}.{TARGET_NAME} already calls aiter's FlyDSL kernel"
+    )
+
+
+@pytest.fixture
+def original_target(target):
+    fn = vars(target)[TARGET_NAME]
+    assert not getattr(fn, MARKER, False)
+    return fn

@@ -43,6 +43,7 @@ __all__ = [
     "PRESHUFFLE_BY_SIZE",
     "RELEASES",
     "audit",
+    "calls_flydsl",
     "function_node",
 ]
 
@@ -113,6 +114,26 @@ def _names_in(expr: ast.AST) -> list[str]:
         for n in ast.walk(expr)
         if isinstance(n, (ast.Name, ast.Attribute))
     ]
+
+
+def calls_flydsl(module: ast.Module, fn: ast.FunctionDef) -> bool:
+    """Whether ``fn`` calls a FlyDSL function: a callee named ``*flydsl*``, or imported from a FlyDSL module.
+
+    Code only: a comment, a docstring or a string argument that mentions FlyDSL is not a call.
+    """
+    imported = set()
+    for node in (*ast.walk(module), *ast.walk(fn)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            source = getattr(node, "module", None) or ""
+            for alias in node.names:
+                if "flydsl" in f"{source}.{alias.name}".lower():
+                    imported.add((alias.asname or alias.name).split(".")[0])
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Call):
+            names = _names_in(node.func)
+            if any("flydsl" in name.lower() for name in names) or (names and names[-1] in imported):
+                return True
+    return False
 
 
 def _forms(field: str) -> str:

@@ -167,7 +167,7 @@ def _check_platform() -> tuple[Gate, Gate]:
 
 
 def _target_calls_flydsl() -> bool:
-    """Whether the target function's source (read from its file, not imported) mentions flydsl.
+    """Whether the target function (its module's source read, not imported) calls a FlyDSL function.
 
     Raises what :func:`files.read_text` raises for a file that is not a regular one of at most
     :data:`content.MAX_SOURCE_BYTES` (``in_tree_route`` reads that as not in-tree).
@@ -178,14 +178,15 @@ def _target_calls_flydsl() -> bool:
         return False
     source = files.read_text(origin, content.MAX_SOURCE_BYTES)
     fn = content.function_node(source)
-    return fn is not None and "flydsl" in (ast.get_source_segment(source, fn) or "").lower()
+    return fn is not None and content.calls_flydsl(ast.parse(source), fn)
 
 
 def in_tree_route() -> str | None:
     """Why vLLM already routes the call to FlyDSL itself, or ``None``; never raises.
 
     vLLM declares the switch in ``vllm.envs.environment_variables`` (not through
-    this package), or its target already calls aiter's FlyDSL kernel.
+    this package), or its target's code calls a FlyDSL function (a comment or a
+    string that mentions FlyDSL does not count).
     """
     try:
         vllm_envs = sys.modules.get("vllm.envs")
