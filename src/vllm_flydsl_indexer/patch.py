@@ -7,8 +7,11 @@ Patch registry (two patches, installed and undone together):
 
 * **What:** ``vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits``.
 * **Why:** on gfx950 it calls aiter's Gluon ``deepgemm_fp8_paged_mqa_logits``;
-  aiter PR #4221 adds ``flydsl_fp8_paged_mqa_logits`` for the same job,
-  reported 1.7x-3.1x faster on MI355X.
+  aiter PR #4221 adds ``flydsl_fp8_paged_mqa_logits`` for the same job, and
+  AMD's MI355X measurements find each kernel faster at some shapes and batch
+  sizes (:mod:`vllm_flydsl_indexer.tuning`). vLLM cannot make that per-shape
+  choice; the patch lets the measured choice reach it. (PR #4221 reports its
+  kernel 1.7-3.1x faster: that PR's own claim, not this patch's reason.)
 * **How:** a wrapper with the same signature replaces the function object in
   the defining module and in every already-imported module that bound the
   same object (vLLM 0.33.0: ``vllm.models.deepseek_v41.amd.ops.sparse_indexer``
