@@ -80,6 +80,21 @@ def test_context_lens_passed_unreduced_stays_stock(target, monkeypatch, tmp_path
     )
 
 
+def test_a_development_build_the_version_gate_lets_through_is_held_to_the_content(
+    target, monkeypatch, tmp_path, fresh_register, plugin_log
+):
+    """A 0.34.x dev build passes the version gate; a snapshot like vLLM's main branch (lengths passed
+    unreduced, no _per_sequence_context_lens) is still kept stock, by what its function does."""
+    monkeypatch.setattr(gates, "vllm_version", lambda: "0.34.1.dev12+g002ef941")
+    assert gates.check_version(gates.vllm_version(), False).ok
+    _, fn = edited(target, tmp_path, "_per_sequence_context_lens(context_lens),", "context_lens,")
+    monkeypatch.setattr(target, TARGET_NAME, fn)
+    monkeypatch.delattr(target, "_per_sequence_context_lens")
+    assert register_stock(target, monkeypatch, fresh_register, plugin_log) == (
+        f"{WHERE}passes context_lens unreduced to Gluon; audited: _per_sequence_context_lens(context_lens)"
+    )
+
+
 AUDITED_PRESHUFFLE = " or ".join(
     f"{form} (vLLM {releases})"
     for form, releases in (
