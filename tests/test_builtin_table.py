@@ -85,6 +85,18 @@ def gfx950_at(target, workspace, aiter_as, monkeypatch, fresh_register, plugin_l
     return install
 
 
+def test_the_arch_a_real_mi355x_reports_gets_the_builtin_table(target, gfx950_at, monkeypatch, plugin_log):
+    """vLLM reports ``gfx950:sramecc+:xnack-`` on an MI355X; the table's rows say ``gfx950``."""
+    import vllm.platforms.rocm as rocm
+
+    monkeypatch.setattr(rocm, "_GCN_ARCH", "gfx950:sramecc+:xnack-")
+    installed = gfx950_at()
+    assert installed.router.table is not None and installed.router.table.origin == "built-in"
+    assert installed.router.table.gfx == tuning.arch_of(rocm._GCN_ARCH) == "gfx950"
+    (line,) = [r.getMessage() for r in plugin_log]
+    assert "ACTIVE" in line and "per shape: built-in table (aiter 39029932" in line, line
+
+
 def split_kv(batch: int, max_model_len: int, wg_per_cu: int) -> int:
     return explicit_split_kv(256, batch, max_model_len, 64, wg_per_cu)
 

@@ -100,43 +100,56 @@ def test_module_level_bindings_are_the_ones_the_patch_covers():
 
 
 def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
+    """This release's target is its own entry of ``content.RELEASES``, and passes the start-up check.
+
+    The audited expressions are written once, in :mod:`vllm_flydsl_indexer.content`; this pins which
+    release has which form, reading the release's own source.
+    """
+    from vllm_flydsl_indexer import content
+
     fn = function(module_source(TARGET_MODULE), TARGET_NAME)
     calls = [
         n
         for n in ast.walk(fn)
-        if isinstance(n, ast.Call)
-        and isinstance(n.func, ast.Name)
-        and n.func.id == "deepgemm_fp8_paged_mqa_logits"
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == content.GLUON
     ]
     assert len(calls) == 1
     (call,) = calls
-    assert [ast.unparse(a) for a in call.args] == [
-        "q_fp8",
-        "kv_cache_fp8",
-        "weights",
-        "out_logits",
-        "_per_sequence_context_lens(context_lens)",
-        "block_tables",
-        "max_model_len",
-    ]
+    assert tuple(ast.unparse(a) for a in call.args) == content.GLUON_ARGS
+    assert content.GLUON_ARGS[4] == "_per_sequence_context_lens(context_lens)"
     kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
     # 0.34.0 asks the layout helper and turns Preshuffle off on RDNA (gfx950 is not RDNA).
+    audited = content.RELEASES[release()]
     new = release() >= (0, 34)
-    preshuffle = "indexer_k_cache_is_shuffled(block_size) and (not _ON_RDNA)" if new else "block_size > 1"
-    assert kw == {"ChunkK": "256", "Preshuffle": preshuffle, "KVBlockSize": "block_size", "WavePerEU": "2"}
+    assert audited.preshuffle == (content.PRESHUFFLE_BY_LAYOUT if new else content.PRESHUFFLE_BY_SIZE)
+    assert kw == {**content.GLUON_KNOBS, "Preshuffle": audited.preshuffle}
+    assert content.GLUON_KNOBS == {"ChunkK": "256", "KVBlockSize": "block_size", "WavePerEU": "2"}
     src = ast.unparse(fn)
     # The branch that reaches Gluon: gfx9 in 0.32/0.33; 0.34.0 adds RDNA but gfx1151.
     branch = "_ON_GFX942 or _ON_GFX950" + (" or (_ON_RDNA and (not _ON_GFX1151))" if new else "")
+    assert audited.gluon_branch == branch
     assert f"if {branch}:" in src, branch
-    assert (
-        "current_workspace_manager().get_simultaneous(((batch_size * next_n, max_model_len), torch.float32))"
-        in src
-    )
-    assert "_indexer_k_is_c4a_block_flat(compress_ratio)" in src
-    assert "rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()" in src
+    assert content.OUTPUT in src
+    assert f"if {content.C4A_GUARD}:" in src
+    assert f"if {content.AITER_ON}:" in src
     # No -inf fill or sanitize on the gfx9 Gluon branch: the plugin adds none either.
     gluon_branch = src[src.index("deepgemm_fp8_paged_mqa_logits = ") : src.index("return out_logits")]
     assert "fill_" not in gluon_branch and "nan_to_num" not in gluon_branch
+    # And the start-up check, on the function this process imported, finds this release's form.
+    import importlib
+
+    target = importlib.import_module(TARGET_MODULE)
+    assert content.audit(vars(target)[TARGET_NAME]) == audited.preshuffle
+
+
+def test_every_release_in_the_window_has_an_audited_entry():
+    """The start-up check knows every minor release the version gate lets through, and only those."""
+    from vllm_flydsl_indexer import content, gates
+
+    (low_major, low), (high_major, high) = gates.SUPPORTED_VLLM
+    assert low_major == high_major
+    assert set(content.RELEASES) == {(low_major, minor) for minor in range(low, high + 1)}
+    assert release() in content.RELEASES
 
 
 def test_decode_consumers_read_what_the_window_rule_assumes():
@@ -477,15 +490,16 @@ def test_hooks_preshuffle_is_what_stock_passes_gluon(target, monkeypatch, block_
     """The router launches FlyDSL with the layout vLLM's own Gluon call is told, release by release."""
     from vllm_flydsl_indexer.stock import vllm_stock_hooks
 
+    # The hooks resolve vLLM's names when they are built (at install): each change is made first.
     hooks = vllm_stock_hooks(target)
     assert hooks.preshuffle(block_size) is (block_size > 1)
     if release() >= (0, 34):
         assert target.indexer_k_cache_is_shuffled(block_size) is (block_size > 1)
         monkeypatch.setattr(target, "_ON_RDNA", True)  # stock's "and not _ON_RDNA"
-        assert hooks.preshuffle(block_size) is False
+        assert vllm_stock_hooks(target).preshuffle(block_size) is False
         monkeypatch.setattr(target, "_ON_RDNA", False)
         monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs >= 32)
-        assert hooks.preshuffle(block_size) is (block_size >= 32)
+        assert vllm_stock_hooks(target).preshuffle(block_size) is (block_size >= 32)
 
 
 def test_the_indexer_op_breaks_breakable_graphs_and_runs_eagerly():

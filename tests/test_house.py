@@ -11,12 +11,13 @@ import vllm_flydsl_indexer
 PACKAGE = Path(vllm_flydsl_indexer.__file__).parent
 # The CLI's ``python -m`` entry lives in the package root but register() never imports it.
 ENTRY = "__main__.py"
-# 16 plugin modules and __main__: issue 25 added rules.py (every rule in one module) and
+# 17 plugin modules and __main__: issue 25 added rules.py (every rule in one module) and
 # identification.py (startup probing apart from the contract); issue 31 files.py (the one file
 # layer: register() reads the tuned table through it, and the plugin never imports the tools);
 # issue 32 selftest.py (each configuration's self-test: its synthetic problem and both arms,
-# apart from the router).
-MAX_PLUGIN_MODULES = 17
+# apart from the router); issue 37 content.py (vLLM's target held to its audited content, read from
+# its AST once at start-up, apart from the stock hooks that mirror it).
+MAX_PLUGIN_MODULES = 18
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -381,3 +381,39 @@ def test_log_once_falls_back_without_vllms_logger():
     for _ in range(3):
         log_once(logger, logging.WARNING, "%s", text)
     assert [r.getMessage() for r in records] == [text]
+
+
+def test_an_active_line_that_carries_warnings_is_a_warning(target, monkeypatch, fresh_register, plugin_log):
+    """ACTIVE, but a variable of the plugin did not parse: the caveat must show where INFO is dropped."""
+    monkeypatch.setenv(envs.SWITCH, "1")
+    monkeypatch.setenv(envs.VERIFY, "yes")
+    fresh_register()
+    assert patch.installed() is not None
+    (line,) = lines(plugin_log)
+    assert line.startswith("vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE"), line
+    assert line.endswith(
+        f"[{envs.VERIFY}='yes' is not one of 1/0/true/false (case-insensitive); treating it as 0]"
+    )
+    assert plugin_log[0].levelno == logging.WARNING
+
+
+def test_the_gates_say_the_same_after_register_added_the_plugins_variables(
+    target, monkeypatch, fresh_register, plugin_log
+):
+    """register() adds the set variables to vllm.envs; its own getters are not vLLM declaring the switch."""
+    import vllm.envs
+
+    from vllm_flydsl_indexer.tools import doctor
+
+    monkeypatch.setenv(envs.SWITCH, "1")
+    monkeypatch.setenv(envs.SELFTEST, "1")
+    first = gates.evaluate()
+    assert first.active and not first.in_tree
+    fresh_register()
+    assert patch.installed() is not None
+    assert {envs.SWITCH, envs.SELFTEST} <= set(vllm.envs.environment_variables)
+    assert gates.in_tree_route() is None
+    again = gates.evaluate(full=True)
+    assert (again.active, again.in_tree, again.reason) == (True, False, "all gates passed")
+    assert [(g.name, g.ok) for g in again.gates] == [(g.name, g.ok) for g in first.gates]
+    assert doctor.report({envs.SWITCH: "1"})["arm"] == "flydsl"

@@ -30,7 +30,7 @@ __all__ = [
 # The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
 # Let a vLLM newer than the tested window through the version gate. The
-# target-signature gate still applies.
+# target gate (signature and content) still applies.
 ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
 # Canary: compare both arms on the live inputs at each configuration's first eligible call.
 VERIFY = "VLLM_FLYDSL_INDEXER_VERIFY"

@@ -3,7 +3,9 @@
 
 1. the switch; 2. vLLM does not route the call itself (in-tree); 3. the vLLM
 version window; 4. ROCm; 5. gfx950; 6. aiter enabled and installed; 7. the
-kernel; 8. the target's signature. The first gate that fails is the reason.
+kernel; 8. the target: its signature, then its content (what
+:mod:`vllm_flydsl_indexer.content` audited) and every vLLM name the router's
+hooks hold. The first gate that fails is the reason.
 Gates 4-6 are cheap (vLLM's platform, ``VLLM_ROCM_USE_AITER``,
 ``importlib.util.find_spec``): aiter is imported, by the kernel gate, only where
 they pass, as vLLM itself would import it. ``register()`` and ``doctor`` both
@@ -21,7 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from vllm_flydsl_indexer import envs, files
+from vllm_flydsl_indexer import content, envs, files
 from vllm_flydsl_indexer._logging import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
 from vllm_flydsl_indexer.identification import find_kernel
 from vllm_flydsl_indexer.kernels import KernelVariant
@@ -164,32 +166,27 @@ def _check_platform() -> tuple[Gate, Gate]:
         return rocm, Gate("gfx950", False, f"arch unreadable ({type(e).__name__}: {e})")
 
 
-# The target module's source is read, not imported, to see whether vLLM calls FlyDSL itself.
-_MAX_SOURCE_BYTES = 4 * 2**20
-
-
 def _target_calls_flydsl() -> bool:
-    """Whether the target function's source (read from its file, not imported) mentions flydsl.
+    """Whether the target function (its module's source read, not imported) calls a FlyDSL function.
 
     Raises what :func:`files.read_text` raises for a file that is not a regular one of at most
-    :data:`_MAX_SOURCE_BYTES` (``in_tree_route`` reads that as not in-tree).
+    :data:`content.MAX_SOURCE_BYTES` (``in_tree_route`` reads that as not in-tree).
     """
     spec = importlib.util.find_spec(TARGET_MODULE)
     origin = getattr(spec, "origin", None)
     if not origin:
         return False
-    source = files.read_text(origin, _MAX_SOURCE_BYTES)
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.FunctionDef) and node.name == TARGET_NAME:
-            return "flydsl" in (ast.get_source_segment(source, node) or "").lower()
-    return False
+    source = files.read_text(origin, content.MAX_SOURCE_BYTES)
+    fn = content.function_node(source)
+    return fn is not None and content.calls_flydsl(ast.parse(source), fn)
 
 
 def in_tree_route() -> str | None:
     """Why vLLM already routes the call to FlyDSL itself, or ``None``; never raises.
 
     vLLM declares the switch in ``vllm.envs.environment_variables`` (not through
-    this package), or its target already calls aiter's FlyDSL kernel.
+    this package), or its target's code calls a FlyDSL function (a comment or a
+    string that mentions FlyDSL does not count).
     """
     try:
         vllm_envs = sys.modules.get("vllm.envs")
@@ -217,6 +214,7 @@ def _check_aiter() -> Gate:
 
 
 def _check_target() -> tuple[Gate, ModuleType | None]:
+    """The target's signature, then its content and every vLLM name the router's hooks resolve."""
     try:
         module = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001
@@ -225,7 +223,19 @@ def _check_target() -> tuple[Gate, ModuleType | None]:
     problem = signature_problem(fn)
     if problem is not None:
         return Gate("target", False, f"{TARGET_MODULE}.{TARGET_NAME}: {problem}"), None
-    return Gate("target", True, f"{TARGET_MODULE}.{TARGET_NAME} has the supported signature"), module
+    try:
+        from vllm_flydsl_indexer.stock import vllm_stock_hooks
+
+        vllm_stock_hooks(module)  # what patch.install resolves, resolved here first
+    except content.ContentDrift as e:
+        return Gate("target", False, str(e)), None
+    except Exception as e:  # noqa: BLE001
+        return Gate("target", False, f"vLLM's names unresolvable ({type(e).__name__}: {e})"), None
+    return Gate(
+        "target",
+        True,
+        f"{TARGET_MODULE}.{TARGET_NAME} has the supported signature and does what was audited",
+    ), module
 
 
 def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> Decision:

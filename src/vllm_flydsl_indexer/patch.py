@@ -7,8 +7,11 @@ Patch registry (two patches, installed and undone together):
 
 * **What:** ``vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits``.
 * **Why:** on gfx950 it calls aiter's Gluon ``deepgemm_fp8_paged_mqa_logits``;
-  aiter PR #4221 adds ``flydsl_fp8_paged_mqa_logits`` for the same job,
-  reported 1.7x-3.1x faster on MI355X.
+  aiter PR #4221 adds ``flydsl_fp8_paged_mqa_logits`` for the same job, and
+  AMD's MI355X measurements find each kernel faster at some shapes and batch
+  sizes (:mod:`vllm_flydsl_indexer.tuning`). vLLM cannot make that per-shape
+  choice; the patch lets the measured choice reach it. (PR #4221 reports its
+  kernel 1.7-3.1x faster: that PR's own claim, not this patch's reason.)
 * **How:** a wrapper with the same signature replaces the function object in
   the defining module and in every already-imported module that bound the
   same object (vLLM 0.33.0: ``vllm.models.deepseek_v41.amd.ops.sparse_indexer``
@@ -37,8 +40,10 @@ Patch registry (two patches, installed and undone together):
   global, so replacing that global is enough (``tests/test_reach.py`` pins it).
 * **Upstream:** none; retire it with the router.
 
-Why it is safe: everything is resolved before anything changes, the swap is
-plain attribute assignment, and :func:`uninstall` restores every binding.
+Why it is safe: everything is resolved before anything changes (the router's
+hooks hold every vLLM object they use, after :mod:`vllm_flydsl_indexer.content`
+checked that the original does what they mirror), the swap is plain attribute
+assignment, and :func:`uninstall` restores every binding.
 """
 
 from __future__ import annotations
@@ -160,7 +165,11 @@ def install(
     table: TunedTable | None = None,
     self_test: bool = True,
 ) -> InstalledPatch:
-    """Replace every binding of the target with the router. Idempotent."""
+    """Replace every binding of the target with the router. Idempotent.
+
+    Resolves the router's vLLM hooks first (:func:`vllm_stock_hooks`): where the original does not do
+    what they mirror, or a name they use is gone, it raises before anything changes.
+    """
     global _installed
     current = vars(target)[TARGET_NAME]
     if getattr(current, MARKER, False):

@@ -5,19 +5,25 @@ The router replaces only the call that stock would send to aiter's gfx950
 Gluon kernel, and launches FlyDSL on the cache layout stock tells Gluon. Both
 questions are asked of vLLM through :class:`StockHooks`, exactly as the
 original asks them, so the core imports no vLLM and a test (or ``check``'s
-mirror) can inject its own answers.
+mirror) can inject its own answers. vLLM's hooks resolve every name they use
+when they are built (the patch's install), after checking that the original
+does what they mirror; per call they read no vLLM module attribute.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 
+from vllm_flydsl_indexer.content import PRESHUFFLE_BY_LAYOUT, PRESHUFFLE_BY_SIZE, ContentDrift, audit
+from vllm_flydsl_indexer.target import TARGET_NAME, unpatched
+
 __all__ = [
+    "GluonQuestion",
     "StockHooks",
     "vllm_gluon_objection",
     "vllm_stock_hooks",
@@ -46,53 +52,110 @@ class StockHooks:
     preshuffle: Callable[[int], bool]
 
 
+@dataclass(frozen=True)
+class GluonQuestion:
+    """Whether the original would call aiter's gfx950 Gluon kernel, asked of vLLM's objects in hand.
+
+    The original's own conditions (:mod:`vllm_flydsl_indexer.content` checks its source for them):
+    not its C4A route on gfx9, gfx950, aiter enabled, and aiter's Gluon module found. The flags are
+    read once, when the question is built; the helpers are vLLM's own function objects.
+    """
+
+    on_gfx950: bool
+    on_gfx942: bool
+    c4a_block_flat: Callable[[int], object]
+    aiter_enabled: Callable[[], object]
+    rdna_aiter_enabled: Callable[[], object]
+    gluon_module: Callable[[], object]
+
+    @classmethod
+    def of(cls, target: object, aiter_ops: object) -> GluonQuestion:
+        """The question with ``target``'s names (a module, or a stand-in with those attributes) resolved.
+
+        Raises :class:`ContentDrift` naming the first that is missing.
+        """
+        return cls(
+            on_gfx950=bool(_resolve(target, "_ON_GFX950", flag=True)),
+            on_gfx942=bool(_resolve(target, "_ON_GFX942", flag=True)),
+            c4a_block_flat=_resolve(target, "_indexer_k_is_c4a_block_flat"),
+            aiter_enabled=_resolve(aiter_ops, "is_enabled"),
+            rdna_aiter_enabled=_resolve(aiter_ops, "is_rdna_aiter_enabled"),
+            gluon_module=_resolve(target, "paged_mqa_logits_module"),
+        )
+
+    def __call__(self, compress_ratio: int, block_size: int) -> str | None:
+        """Why the original would not call aiter's gfx950 Gluon kernel here, or ``None``."""
+        if (self.on_gfx950 or self.on_gfx942) and self.c4a_block_flat(compress_ratio) and block_size > 1:
+            return f"vLLM's own C4A Triton route (compress_ratio={compress_ratio}, block_size={block_size})"
+        if not self.on_gfx950:
+            return "vLLM does not report gfx950, so its stock call would not run aiter's Gluon kernel"
+        if not (self.aiter_enabled() or self.rdna_aiter_enabled()):
+            return "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
+        if self.gluon_module() is None:
+            return "vLLM finds no aiter Gluon paged-MQA-logits module"
+        return None
+
+
+def _resolve(owner: object, name: str, flag: bool = False) -> Any:
+    """``owner.name``: a callable, or a bool where ``flag``; :class:`ContentDrift` otherwise."""
+    value = getattr(owner, name, None)
+    if not (isinstance(value, bool) if flag else callable(value)):
+        where = getattr(owner, "__name__", type(owner).__name__)
+        what = "flag" if flag else "function"
+        raise ContentDrift(f"vLLM's {where} has no {what} {name} (the router's stock side uses it)")
+    return value
+
+
 def vllm_gluon_objection(
-    target: ModuleType, aiter_ops: object = None, compress_ratio: int = 1, block_size: int = 1
+    target: object, aiter_ops: object = None, compress_ratio: int = 1, block_size: int = 1
 ) -> str | None:
     """Why vLLM's original (module ``target``) would not call aiter's gfx950 Gluon kernel, or ``None``.
 
-    The original's own conditions: not its C4A Triton route on gfx9, gfx950,
-    aiter enabled, and aiter's Gluon module found. Module globals are read at
-    call time, as the original reads them. ``check``, ``bench`` and ``doctor``
-    ask the same question (their ``paths.vllm_target``).
+    A one-off question: ``check``, ``bench`` and ``doctor`` ask it (their ``paths.vllm_target``);
+    the router asks the :class:`GluonQuestion` its hooks resolved at start-up.
     """
     if aiter_ops is None:
         from vllm._aiter_ops import rocm_aiter_ops as aiter_ops
-
-    on_gfx9 = target._ON_GFX950 or target._ON_GFX942
-    if on_gfx9 and target._indexer_k_is_c4a_block_flat(compress_ratio) and block_size > 1:
-        return f"vLLM's own C4A Triton route (compress_ratio={compress_ratio}, block_size={block_size})"
-    if not target._ON_GFX950:
-        return "vLLM does not report gfx950, so its stock call would not run aiter's Gluon kernel"
-    if not (aiter_ops.is_enabled() or aiter_ops.is_rdna_aiter_enabled()):
-        return "VLLM_ROCM_USE_AITER is not 1, so vLLM would not call aiter's Gluon kernel"
-    if target.paged_mqa_logits_module() is None:
-        return "vLLM finds no aiter Gluon paged-MQA-logits module"
-    return None
+    return GluonQuestion.of(target, aiter_ops)(compress_ratio, block_size)
 
 
 def vllm_stock_hooks(target: ModuleType) -> StockHooks:
-    """Hooks that ask vLLM exactly what the original function asks it."""
+    """Hooks that answer as the original ``target.rocm_fp8_paged_mqa_logits``, every vLLM name resolved now.
+
+    First checks the original's content (:func:`content.audit`): the hooks mirror what it does only
+    where it does what was audited. Raises :class:`ContentDrift` naming what differs or is missing.
+    Per call, the hooks read no vLLM module attribute: they hold vLLM's objects.
+    """
+    form = audit(unpatched(_resolve(target, TARGET_NAME)))
     from vllm._aiter_ops import rocm_aiter_ops
-    from vllm.distributed.parallel_state import get_dcp_world_size_and_rank
+    from vllm.distributed import parallel_state
+
+    question = GluonQuestion.of(target, rocm_aiter_ops)
+    workspace = _resolve(target, "current_workspace_manager")
+    per_sequence_lens = _resolve(target, "_per_sequence_context_lens")
+    dcp = _resolve(parallel_state, "get_dcp_world_size_and_rank")
 
     def output_buffer(rows: int, max_model_len: int) -> torch.Tensor:
-        (out,) = target.current_workspace_manager().get_simultaneous(
-            ((rows, max_model_len), torch.float32),
-        )
+        (out,) = workspace().get_simultaneous(((rows, max_model_len), torch.float32))
         return out
 
-    def preshuffle(block_size: int) -> bool:
-        # 0.34.0: ``indexer_k_cache_is_shuffled(block_size) and not _ON_RDNA``; before: ``block_size > 1``.
-        shuffled = getattr(target, "indexer_k_cache_is_shuffled", None)
-        if shuffled is None:
+    if form == PRESHUFFLE_BY_LAYOUT:
+        shuffled = _resolve(target, "indexer_k_cache_is_shuffled")
+        rdna = _resolve(target, "_ON_RDNA", flag=True)
+
+        def preshuffle(block_size: int) -> bool:
+            return bool(shuffled(block_size)) and not rdna
+
+    else:
+        assert form == PRESHUFFLE_BY_SIZE, form
+
+        def preshuffle(block_size: int) -> bool:
             return block_size > 1
-        return bool(shuffled(block_size)) and not getattr(target, "_ON_RDNA", False)
 
     return StockHooks(
-        gluon_objection=functools.partial(vllm_gluon_objection, target, rocm_aiter_ops),
+        gluon_objection=question,
         output_buffer=output_buffer,
-        per_sequence_lens=lambda t: target._per_sequence_context_lens(t),
-        dcp_world_size=lambda: get_dcp_world_size_and_rank()[0],
+        per_sequence_lens=per_sequence_lens,
+        dcp_world_size=lambda: dcp()[0],
         preshuffle=preshuffle,
     )

@@ -35,6 +35,7 @@ import torch
 from vllm_flydsl_indexer import envs, patch
 from vllm_flydsl_indexer._logging import get_logger
 from vllm_flydsl_indexer.callers import call_site_in
+from vllm_flydsl_indexer.content import ContentDrift
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.stock import StockHooks, vllm_gluon_objection, vllm_stock_hooks
 from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
@@ -122,7 +123,10 @@ def vllm_target() -> tuple[ModuleType | None, str]:
     if problem is not None:
         return None, f"{TARGET_NAME}: {problem}"
     try:
+        vllm_stock_hooks(target)  # as the patch's install: the original does what the hooks mirror
         why = vllm_gluon_objection(target)
+    except ContentDrift as e:
+        return None, str(e)
     except Exception as e:  # noqa: BLE001
         return None, f"vLLM's aiter lookup failed ({type(e).__name__}: {e})"
     if why is not None:
