@@ -226,30 +226,18 @@ class FlyDSLRouter:
         compress_ratio: int = 1,
     ) -> torch.Tensor:
         """Route one call made from module ``caller`` (``None``: unknown)."""
-        # The hot paths first, every step once warm: a memoised stock verdict calls stock at once.
         key = route = None
         try:
             key = (q_fp8.shape, kv_cache_fp8.shape, context_lens.shape, max_model_len, compress_ratio, caller)
             route = self._routes.get(key)
-            stock = route is not None and route.reason is not None
-        except Exception:  # noqa: BLE001 - the full path below says why, in its own net
-            stock = False
-        if not stock:
-            args = (
-                q_fp8,
-                kv_cache_fp8,
-                weights,
-                context_lens,
-                block_tables,
-                schedule_metadata,
-                max_model_len,
-            )
-            try:
-                out = self._flydsl_or_none(key, route, args, compress_ratio, caller)
+            # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
+            if route is None or route.reason is None:
+                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata)
+                out = self._flydsl_or_none(key, route, (*args, max_model_len), compress_ratio, caller)
                 if out is not None:
                     return out
-            except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
-                self._router_failed(e, key, route, args)
+        except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
+            self._router_failed(e, key, route, q_fp8, kv_cache_fp8)
         self.calls_delegated += 1
         return self.original(
             q_fp8,
@@ -266,9 +254,6 @@ class FlyDSLRouter:
         self, key: tuple, route: Route | None, args: tuple, compress_ratio: int, caller: str | None
     ) -> torch.Tensor | None:
         """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's."""
-        if key is None:  # the hot path could not build it: build it here, inside the net
-            q_fp8, kv_cache, _, context_lens, _, _, max_model_len = args
-            key = (q_fp8.shape, kv_cache.shape, context_lens.shape, max_model_len, compress_ratio, caller)
         if route is None:
             route = self._memoise(key, args, compress_ratio, caller)
         if route.reason is None:
@@ -464,10 +449,12 @@ class FlyDSLRouter:
             tested,
         )
 
-    def _router_failed(self, error: Exception, key: tuple | None, route: Route | None, args: tuple) -> None:
+    def _router_failed(
+        self, error: Exception, key: tuple | None, route: Route | None, q_fp8: object, kv_cache: object
+    ) -> None:
         """The router's work on a call raised: this call gets stock's answer, its shape stays stock."""
         try:
-            config = route.config if route is not None and route.config else _config_of(*args[:2])
+            config = route.config if route is not None and route.config else _config_of(q_fp8, kv_cache)
         except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
             config = None
         problem = f"raised {type(error).__name__} while routing this call: {error}"
@@ -484,7 +471,7 @@ class FlyDSLRouter:
         described = route.describe() if route.kwargs else config.describe()
         self.failed[config] = f"FlyDSL for {described} earlier {problem}"
         self.compiled.discard(config)
-        self._routes.clear()
+        self._routes.clear()  # every memoised route of this shape now says stock
         self.logger.error(
             "%s %s (%s) %s (%s). This call and every later call of this shape use the stock path.",
             HEAD,
