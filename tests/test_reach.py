@@ -380,3 +380,45 @@ def test_readme_model_table_agrees_with_doctor(model_type):
         assert data["kv_cache_layout"] in layout
     assert takes.startswith("yes") is data["allows_flydsl"]
     assert takes.startswith(("yes", "no")) and (("strided" in takes) is (not data["layer_contiguous"]))
+
+
+# ------------------------------------------------------------------ a vLLM that raises on import
+
+
+@pytest.mark.parametrize(
+    ("raises", "where"),
+    [("ImportError('boom')", "path"), ("ImportError('boom')", "cwd"), ("RuntimeError('boom')", "cwd")],
+)
+def test_doctor_answers_whatever_a_broken_vllm_raises_on_import(tmp_path, raises, where):
+    """A ``vllm`` package that raises on import (on PYTHONPATH, or in the current directory, which
+    ``python -m`` puts first on the path): every doctor form answers, exit 0, and says vLLM is broken."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(f"raise {raises}\n")
+    env = simulation_env(**{envs.SWITCH: "1"})
+    if where == "path":
+        env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    kind = raises.split("(")[0]
+    runs = [["doctor"], ["doctor", "--json"], *(["doctor", "--model", m] for m in reach.MODELS)]
+    for args in [*runs, ["doctor", "--json", "--model", "glm5_next"]]:
+        done = cli(args, env, cwd=tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr[-3000:])
+        if "--json" in args and "--model" in args:
+            data = json.loads(done.stdout)["model"]
+            assert data["vllm_import_error"] == f"{kind}: boom" and data["not_read_from_vllm"]
+        elif "--model" in args:
+            (line,) = [x for x in done.stdout.splitlines() if x.startswith("  vLLM broken:")]
+            assert f"import vllm raises {kind}: boom" in line, done.stdout
+
+
+@pytest.mark.parametrize("probe", ["mxfp4_default_models", "resolved_layout", "c4a_objection"])
+def test_each_vllm_probe_that_raises_is_a_line_not_a_crash(monkeypatch, probe):
+    """Each probe of an importable vLLM that raises (a module of it broken) is said, never raised."""
+
+    def broken(*args):
+        raise RuntimeError(f"{probe} broke")
+
+    monkeypatch.setattr(reach, probe, broken)
+    for model_type in reach.MODELS:
+        data = reach.assess(model_type, None, ACTIVE)
+        assert any(f"{probe} broke" in u for u in data["unknown"]), (model_type, data["unknown"])
+        assert any(f"{probe} broke" in line for line in reach.render(data))
