@@ -169,6 +169,15 @@ def cells(text: str, **values: object) -> str:
             table_text(cells(row(), preshuffle="maybe")),
             "line 2, column preshuffle: 'maybe' is not 1/0/true/false",
         ),
+        # A row no call can match: vLLM preshuffles exactly when KVBlockSize > 1.
+        (
+            table_text(row(batch=1), cells(row(), preshuffle=0)),
+            "line 3, column preshuffle: '0' with kv_block_size 64: no call can match this row",
+        ),
+        (
+            table_text(cells(row(kvb=1), preshuffle="true")),
+            "line 2, column preshuffle: 'true' with kv_block_size 1: no call can match this row",
+        ),
         # Every knob and time column, not only the lookup key.
         (table_text(cells(row(), wg_per_cu="abc")), "line 2, column wg_per_cu: 'abc' is not an integer"),
         (table_text(cells(row(), wg_per_cu="-1")), "line 2, column wg_per_cu: -1 is not >= 0"),
@@ -406,6 +415,43 @@ def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
     assert doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})["tuned_table"]["note"].startswith(
         "IGNORED"
     )
+
+
+def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plugin_log, capsys):
+    """A row whose preshuffle disagrees with its kv_block_size, beside rows that match calls: the
+    loader, doctor and bench --tune each refuse the table with that row's line, and doctor never raises."""
+    from vllm_flydsl_indexer.tools import cli, doctor, tune
+
+    path = tmp_path / "tuned.csv"
+    path.write_text(table_text(row(cu=256, batch=1), row(cu=256, batch=64), cells(row(cu=256), preshuffle=0)))
+    why = "line 4, column preshuffle: '0' with kv_block_size 64: no call can match this row"
+    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+    assert tuning.load(str(path), "gfx950", logger) is None
+    assert why in plugin_log[-1].getMessage()
+    data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
+    assert why in data["tuned_table"]["note"] and "shapes" not in data["tuned_table"]
+    assert why in doctor.render(data)
+    monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS])
+    assert refused.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_describe_reports_every_bucket_of_its_own_shape_and_never_raises():
+    """doctor's per-shape buckets are the shape's own, whatever rows a table was built from."""
+    table = parse(row(cu=256, batch=1, backend="gluon"), row(cu=256, batch=64), row(cu=256, kvb=1, batch=8))
+    shapes = {(s["kv_block_size"], s["preshuffle"]): s["buckets"] for s in tuning.describe(table)}
+    assert shapes == {
+        (64, True): [
+            {"batch_at_least": 1, "arm": "stock"},
+            {"batch_at_least": 64, "arm": "flydsl", "wg_per_cu": 0},
+        ],
+        (1, False): [{"batch_at_least": 8, "arm": "flydsl", "wg_per_cu": 0}],
+    }
+    # Built around the validator (no call can match the shape): reported as such, not an AssertionError.
+    table.shapes[(256, 1, 32, 128, 64, False)] = {4: [("flydsl", 0)]}
+    odd = [s for s in tuning.describe(table) if not s["preshuffle"] and s["kv_block_size"] == 64]
+    assert odd[0]["buckets"] == [{"batch_at_least": 4, "arm": "stock", "why": "no call matches"}]
 
 
 # ---------------------------------------------------------------- the row's knob reaches the launch

@@ -245,7 +245,11 @@ def _cell(row: dict[str, str | None], column: str) -> str:
 
 
 def check_row(row: dict[str, str | None]) -> TunedRow:
-    """Validate every column of one CSV row; raises ``ValueError("column ...: why")``."""
+    """Validate every column of one CSV row; raises ``ValueError("column ...: why")``.
+
+    The one rule of what a row is, for the plugin, doctor and ``bench --tune`` alike: a row that no
+    call can match (``preshuffle`` other than ``kv_block_size > 1``) is refused, not kept unreachable.
+    """
 
     def cell(column: str) -> str:
         try:
@@ -270,6 +274,12 @@ def check_row(row: dict[str, str | None]) -> TunedRow:
         raise ValueError("column gfx: is empty")
     sizes = [checked(c, lambda t: _int(t, 1)) for c in SIZE_COLUMNS]
     preshuffle = checked("preshuffle", _bool)
+    kvb = sizes[SIZE_COLUMNS.index("kv_block_size")]
+    if preshuffle != (kvb > 1):  # the lookup reads preshuffle off the call's KVBlockSize: no call matches
+        raise ValueError(
+            f"column preshuffle: {cell('preshuffle')!r} with kv_block_size {kvb}: no call can match this row "
+            f"(vLLM's calls are preshuffled exactly when KVBlockSize > 1, so {int(kvb > 1)} here)"
+        )
     checked("context_len", _context_lens)
     backend = checked("backend", _backend)
     knobs = {c: checked(c, lambda t: _int(t, 0)) for c in KNOB_COLUMNS}
@@ -499,7 +509,9 @@ def describe(table: TunedTable) -> list[dict[str, object]]:
         entries = []
         for batch in sorted(buckets):
             pick = table.choice(cus, batch, next_n, heads, head_dim, block_size)
-            assert pick is not None
+            if pick is None or pick.bucket != batch:  # unreachable for a table check_row passed
+                entries.append({"batch_at_least": batch, "arm": "stock", "why": "no call matches"})
+                continue
             entry: dict[str, object] = {
                 "batch_at_least": batch,
                 "arm": "flydsl" if pick.backend == "flydsl" and pick.conflict is None else "stock",
