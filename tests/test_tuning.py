@@ -199,7 +199,8 @@ def cells(text: str, **values: object) -> str:
             "line 2, after column flydsl_us: 1 more cell(s) than the header's 16 columns",
         ),
         (HEADER + "\n", "no rows"),
-        (table_text(row(gfx="gfx942")), "no rows for gfx950 (of 1)"),
+        (table_text(row(gfx="gfx942")), "valid, 1 row; none for gfx950"),
+        (table_text(row(gfx="gfx942"), row(gfx="gfx942", batch=8)), "valid, 2 rows; none for gfx950"),
     ],
 )
 def test_a_bad_table_is_refused_whole(text, message):
@@ -581,7 +582,8 @@ def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plu
     assert note.startswith("IGNORED: ") and str(path) in note, note
     assert "tuned table" in doctor.render(data)
     logger = logging.getLogger("vllm.plugins.flydsl_indexer")
-    assert tuning.load(str(path), "gfx950", logger) is None
+    source = tuning.table_source(str(path), data["kernel"]["variant"])
+    assert tuning.load_source(source, "gfx950", logger) is None
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("vllm-flydsl-indexer: tuned table ignored: ")
     assert warnings[0].endswith(note.removeprefix("IGNORED: ")), (warnings, note)  # one reader, one text

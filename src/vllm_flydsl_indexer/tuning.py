@@ -9,13 +9,14 @@ has a FlyDSL kernel but no dispatcher, this module gives the plugin the same
 choice, and the same launch, from the same kind of file:
 
 * **Where from** (:func:`table_source`), first found: ``$VLLM_FLYDSL_INDEXER_TUNED_CSV``
-  if set (``none`` turns every table off: FlyDSL wherever eligible, the A/B of
-  the kernel alone); else the table the installed aiter ships
+  if set (trimmed; ``none``, ``off``, ``0`` or ``false`` turn every table off: FlyDSL wherever
+  eligible, the A/B of the kernel alone); else the table the installed aiter ships
   (``aiter/configs/paged_mqa_logits_tuned.csv``); else the **built-in** table,
   for the kernel it was measured on only (:data:`BUILTIN`: aiter's published
   table, AMD's MI355X measurements of the ``gfx950`` kernel); else none. The
-  first found replaces the others: tables are never merged. Read once per
-  process, when the plugin registers.
+  first usable one replaces the others: tables are never merged. A file that
+  cannot be used (below) falls to the next source, with one WARNING naming
+  both (:func:`resolve`). Read once per process, when the plugin registers.
 * **Lookup, as aiter's:** the rows of this GPU (``gfx`` and ``cu_num``) and
   this shape (``next_n``, ``heads``, ``head_dim``, ``kv_block_size``,
   ``preshuffle``); of those, the largest tuned ``batch_size`` at or below the
@@ -34,8 +35,8 @@ choice, and the same launch, from the same kind of file:
   keeps its meaning, FlyDSL where eligible, with the kernel's default launch.
 * **Bad file:** one validator (:func:`check_row`) for every column of every
   row, whatever its gfx: unreadable, a missing column or a bad value anywhere
-  gives one WARNING naming the file, line and column, and the table is ignored
-  as a whole, never read in part. No row for this GPU's arch likewise. Rows of
+  gives one WARNING naming the file, line and column, and the next source in use;
+  the table is ignored as a whole, never read in part. No row for this GPU's arch likewise. Rows of
   the right arch but another CU count are dropped by the router with one
   WARNING at the first call on the device.
 
@@ -65,6 +66,7 @@ __all__ = [
     "COLUMNS",
     "KEY_COLUMNS",
     "OFF",
+    "OFF_VALUES",
     "Pick",
     "TableError",
     "TunedRow",
@@ -77,6 +79,7 @@ __all__ = [
     "read_rows",
     "pick_for",
     "in_use",
+    "resolve",
     "table_source",
     "where",
 ]
@@ -117,8 +120,9 @@ CONTEXT_LEN_SEPARATOR = ";"
 COMMENT = "#"
 # Where an aiter without the dispatcher may still ship its measured table.
 AITER_TABLE = ("aiter", "configs/paged_mqa_logits_tuned.csv")
-# $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (case-insensitive): no table at all.
+# $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (or another of OFF_VALUES; trimmed, case-insensitive): no table at all.
 OFF = "none"
+OFF_VALUES = (OFF, "off", "0", "false")
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,8 @@ class TableSource:
     path: str | None
     origin: str  # "env", "aiter", "built-in", "off" (none asked for) or "none" (no measurement)
     label: str  # a few words for the ACTIVE line and doctor
+    # The next source in the precedence, used when this one's file cannot be (None: no table at all).
+    fallback: TableSource | None = None
 
     @property
     def name(self) -> str | None:
@@ -352,6 +358,7 @@ class TunedTable:
     gfx: str
     rows: int
     origin: str = "env"  # a TableSource origin
+    label: str = ""  # the TableSource label it was loaded from (what the ACTIVE line names)
     shapes: dict[ShapeKey, dict[int, list[tuple[str, int]]]] = field(default_factory=dict)
     _picks: dict[tuple, Pick | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -406,7 +413,7 @@ class TunedTable:
         if total == 0:
             raise TableError(f"{source}: no rows")
         if table.rows == 0:
-            raise TableError(f"{source}: no rows for {gfx} (of {total})")
+            raise TableError(f"{source}: valid, {total} row{'s' if total != 1 else ''}; none for {gfx}")
         return table
 
 
@@ -448,35 +455,73 @@ def _aiter_table() -> str | None:
 
 def table_source(env_value: str | None, variant: str | None) -> TableSource:
     """The table for the found kernel ``variant``: the variable's, aiter's shipped one, the built-in one
-    (only for the variant it was measured on), or none. The first found replaces the rest."""
+    (only for the variant it was measured on), or none. The first found replaces the rest; each source
+    names the next (:attr:`TableSource.fallback`), used only when its own file cannot be.
+
+    The variable's value is trimmed; one of :data:`OFF_VALUES` (any case) turns tables off; any other
+    non-empty value names a file.
+    """
     value = (env_value or "").strip()
-    if value.lower() == OFF:
-        return TableSource(None, "off", f"no tuned table ({envs.TUNED_CSV}={OFF}): FlyDSL wherever eligible")
-    if value:
-        return TableSource(env_value, "env", f"tuned table {env_value} ({envs.TUNED_CSV})")
-    shipped = _aiter_table()
-    if shipped is not None:
-        return TableSource(shipped, "aiter", f"tuned table {shipped} (shipped with aiter)")
-    if variant == BUILTIN.variant:
-        return TableSource(BUILTIN.path(), "built-in", BUILTIN.label)
-    return TableSource(
+    if value.lower() in OFF_VALUES:
+        return TableSource(
+            None, "off", f"no tuned table ({envs.TUNED_CSV}={value.lower()}): FlyDSL wherever eligible"
+        )
+    chain = TableSource(
         None,
         "none",
         f"no measurement for the {variant or 'found'} FlyDSL kernel: FlyDSL wherever eligible "
         "(vllm-flydsl-indexer bench --tune measures this node)",
     )
+    if variant == BUILTIN.variant:
+        chain = TableSource(BUILTIN.path(), "built-in", BUILTIN.label, chain)
+    shipped = _aiter_table()
+    if shipped is not None:
+        chain = TableSource(shipped, "aiter", f"tuned table {shipped} (shipped with aiter)", chain)
+    if value:
+        chain = TableSource(value, "env", f"tuned table {value} ({envs.TUNED_CSV})", chain)
+    return chain
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Which source decides after the unusable ones fell through: the source, its table, the skipped."""
+
+    used: TableSource  # the source in use (path None: no table)
+    table: TunedTable | None
+    ignored: tuple[tuple[TableSource, str], ...]  # each unusable source before it, and why
+
+
+def resolve(source: TableSource, gfx: str) -> Resolution:
+    """Read ``source`` for ``gfx``; a file that cannot be used falls to the next source. Never raises."""
+    ignored: list[tuple[TableSource, str]] = []
+    current: TableSource | None = source
+    while current is not None and current.path is not None:
+        try:
+            table = read(current.path, gfx)
+        except TableError as e:
+            ignored.append((current, str(e)))
+            current = current.fallback
+            continue
+        table.origin, table.label = current.origin, current.label
+        table.source = current.name or table.source
+        return Resolution(current, table, tuple(ignored))
+    return Resolution(current or source, None, tuple(ignored))
+
+
+def ignored_text(resolution: Resolution) -> list[str]:
+    """One text per source that could not be used: why, and the source used instead."""
+    used = resolution.used
+    then = f"using the {used.label} instead" if used.path is not None else f"no other table: {used.label}"
+    return [f"{why}; {then}" for _, why in resolution.ignored]
 
 
 def load_source(source: TableSource, gfx: str, logger: logging.Logger) -> TunedTable | None:
-    """Read ``source`` for ``gfx``: ``None`` for no table, or after one WARNING when it cannot be used.
-
-    The built-in table is named by its label, not its path. Never raises.
-    """
-    table = load(source.path, gfx, logger)
-    if table is not None:
-        table.origin = source.origin
-        table.source = source.name or table.source
-    return table
+    """Read ``source`` for ``gfx`` (:func:`resolve`): ``None`` for no table. A source that cannot be used
+    gets one WARNING naming its file and the source used instead. Never raises."""
+    resolution = resolve(source, gfx)
+    for text in ignored_text(resolution):
+        logger.warning("%s %s", TABLE_IGNORED_LINE, text)
+    return resolution.table
 
 
 def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | None:
@@ -490,11 +535,17 @@ def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | N
         return None
 
 
-def in_use(source: TableSource, loaded: bool) -> str:
-    """What the ACTIVE line says decides per shape: the source's label, or that its table was ignored."""
-    if source.path is not None and not loaded:
-        return f"{source.label} ignored, FlyDSL wherever eligible"
-    return source.label
+def in_use(source: TableSource, loaded: TunedTable | bool | None) -> str:
+    """What the ACTIVE line says decides per shape: the label of the table loaded (``loaded``, the
+    table :func:`load_source` returned), or, when none could be, the last source's."""
+    if isinstance(loaded, TunedTable) and loaded.label:
+        return loaded.label
+    if source.path is None or loaded:
+        return source.label
+    last = source
+    while last.fallback is not None:
+        last = last.fallback
+    return f"{source.label} ignored, {last.label}"
 
 
 def env_source(variant: str | None) -> TableSource:
