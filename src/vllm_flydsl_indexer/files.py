@@ -59,7 +59,8 @@ def _kind(mode: int) -> str:
 
 
 def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
-    """The UTF-8 text of the regular file ``path`` (symlinks followed), at most ``limit`` bytes.
+    """The UTF-8 text of the regular file ``path`` (symlinks followed; a BOM dropped), at most ``limit``
+    bytes.
 
     Raises :class:`FileRefused` for anything else, before reading a byte; ``OSError`` and
     ``UnicodeDecodeError`` as reading does.
@@ -77,7 +78,7 @@ def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise FileRefused(f"{path} is larger than {limit} bytes; nothing read")
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig")  # a byte-order mark, as spreadsheet programs write, is not text
 
 
 def kind_problem(path: str) -> str | None:

@@ -77,6 +77,7 @@ __all__ = [
     "load",
     "read",
     "read_rows",
+    "read_table",
     "pick_for",
     "in_use",
     "resolve",
@@ -313,41 +314,76 @@ def _backend(text: str) -> str:
     return backend
 
 
-def _uncommented(lines: Iterable[str]) -> Iterator[str]:
-    """aiter's reader skips ``#`` lines; a blank line keeps csv's line numbers right."""
-    for line in lines:
-        yield "\n" if line.lstrip().startswith(COMMENT) else line
+class NotATable(TableError):
+    """The file's header lacks aiter's columns: not an aiter-format tuned CSV at all."""
 
 
-def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
-    """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one."""
-    reader = csv.DictReader(_uncommented(lines))
+@dataclass
+class ParsedTable:
+    """An aiter-format CSV as read: its header, validated rows, and ``#`` lines with their places."""
+
+    header: list[str]
+    rows: list[TunedRow]
+    # (data rows before it, the line as read); -1: before the header.
+    comments: list[tuple[int, str]] = field(default_factory=list)
+
+
+def read_table(lines: Iterable[str], source: str) -> ParsedTable:
+    """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one.
+
+    One reader for the plugin, doctor and ``bench --tune``: ``#`` lines are skipped (and kept, with
+    their places, for writing the table back), a UTF-8 byte-order mark is dropped, and an error names
+    the line its record starts on (a quoted field may run over several).
+    """
+    comments: list[tuple[int, str]] = []
     header: list[str] = []
-    try:
-        while not header:  # comment (blank) lines may come before the header, as in the built-in table
-            header = next(reader.reader)
-    except StopIteration:
-        pass
-    except csv.Error as e:
-        raise TableError(f"{source}: line {reader.line_num}: {e}") from None
-    reader.fieldnames = header
-    fieldnames = header
-    missing = [c for c in COLUMNS if c not in (fieldnames or ())]
-    if missing:
-        raise TableError(f"{source}: missing column(s) {', '.join(missing)}")
-    rows = []
+    rows: list[TunedRow] = []
+
+    def uncommented() -> Iterator[str]:
+        for i, line in enumerate(lines):
+            if i == 0:
+                line = line.removeprefix("\ufeff")
+            if line.lstrip().startswith(COMMENT):
+                comments.append((len(rows) if header else -1, line.rstrip("\r\n")))
+                yield "\n"
+            else:
+                yield line
+
+    reader = csv.reader(uncommented())
     while True:
+        first = reader.line_num + 1
         try:
-            row = next(reader)
+            cells = next(reader)
         except StopIteration:
             break
         except csv.Error as e:
-            raise TableError(f"{source}: line {reader.line_num}: {e}") from None
+            raise TableError(f"{source}: line {first}: {e}") from None
+        if not cells:  # a blank or comment line
+            continue
+        where = f"line {first}" + (
+            f" (a quoted field runs to line {reader.line_num})" if reader.line_num > first else ""
+        )
+        if not header:
+            header = cells
+            missing = [c for c in COLUMNS if c not in header]
+            if missing:
+                raise NotATable(f"{source}: {where}: missing column(s) {', '.join(missing)}")
+            continue
+        row: dict[str | None, object] = dict(zip(header, cells, strict=False))
+        if len(cells) > len(header):
+            row[None] = cells[len(header) :]
         try:
-            rows.append(check_row(row))
+            rows.append(check_row(row))  # type: ignore[arg-type]
         except ValueError as e:
-            raise TableError(f"{source}: line {reader.line_num}, {e}") from None
-    return rows
+            raise TableError(f"{source}: {where}, {e}") from None
+    if not header:
+        raise NotATable(f"{source}: missing column(s) {', '.join(COLUMNS)} (no header)")
+    return ParsedTable(header, rows, comments)
+
+
+def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
+    """Every row of an aiter-format CSV, validated (:func:`read_table`)."""
+    return read_table(lines, source).rows
 
 
 @dataclass
@@ -432,6 +468,10 @@ def read(source: str, gfx: str) -> TunedTable:
         return parse(io.StringIO(files.read_text(source), newline=""), source, gfx)
     except TableError:
         raise
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        byte = e.object[e.start]
+        raise TableError(f"{source}: line {line}: not UTF-8 ({e.reason}, byte {byte:#04x})") from None
     except Exception as e:  # noqa: BLE001 - a table file must never crash startup or doctor
         raise TableError(f"{source}: {type(e).__name__}: {e}") from None
 

@@ -401,7 +401,7 @@ def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str]
         out = io.StringIO()
         columns = [f.name for f in fields(Shape)]
         columns += [f.name for f in fields(ArmResult) if f.name not in ("shape", "extra")]
-        writer = csv.DictWriter(out, fieldnames=columns)
+        writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(flat)
         texts["CSV", args.csv_path] = out.getvalue()

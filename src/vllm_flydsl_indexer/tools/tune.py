@@ -272,16 +272,16 @@ def tune_rows(
     return rows
 
 
-def existing_rows(path: str) -> list[tuning.TunedRow]:
-    """The rows already in ``path`` (none if absent or empty), every one validated.
+def existing_rows(path: str) -> tuning.ParsedTable | None:
+    """The table already in ``path`` (``None`` if absent or empty), every row validated.
 
     Refuses (exit 2, one line) a file that is not aiter's format or has any
     malformed row, as the parser did before the run (:func:`cli_args.tune_file`).
     """
-    rows, problem = cli_args.tune_file(path)
+    table, problem = cli_args.tune_file(path)
     if problem is not None:
         settings.fail(f"{settings.PROG} bench", problem)
-    return rows
+    return table
 
 
 def _row_id(row: dict[str, object]) -> tuple:
@@ -290,19 +290,33 @@ def _row_id(row: dict[str, object]) -> tuple:
     return (checked.gfx, checked.key)
 
 
-def table_text(earlier: list[tuning.TunedRow], rows: list[dict[str, object]]) -> tuple[str, int]:
-    """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest are kept as read."""
+def table_text(
+    earlier: tuning.ParsedTable | list[tuning.TunedRow] | None, rows: list[dict[str, object]]
+) -> tuple[str, int]:
+    """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest, and every
+    ``#`` line, are kept as read and in place; new rows at the end. LF line endings, as aiter's table."""
     import csv
 
+    if not isinstance(earlier, tuning.ParsedTable):
+        earlier = tuning.ParsedTable(list(tuning.COLUMNS), list(earlier or ()))
     rows = list({_row_id(r): r for r in rows}.values())  # one row per key: the last measured
     new_ids = {_row_id(r) for r in rows}
-    kept = [r.text for r in earlier if (r.gfx, r.key) not in new_ids]
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS))
+    writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS), lineterminator="\n")
+    comments: dict[int, list[str]] = {}
+    for place, line in earlier.comments:
+        comments.setdefault(place, []).append(line)
+    out.writelines(f"{line}\n" for line in comments.get(-1, ()))
     writer.writeheader()
-    writer.writerows(kept)
+    kept = 0
+    for i, r in enumerate(earlier.rows):
+        out.writelines(f"{line}\n" for line in comments.get(i, ()))
+        if (r.gfx, r.key) not in new_ids:
+            writer.writerow(r.text)
+            kept += 1
+    out.writelines(f"{line}\n" for line in comments.get(len(earlier.rows), ()))
     writer.writerows(rows)
-    return out.getvalue(), len(kept)
+    return out.getvalue(), kept
 
 
 def main(args) -> int:
