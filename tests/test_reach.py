@@ -7,6 +7,7 @@ import ast
 import importlib.metadata
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,6 +124,44 @@ def test_resolve_reads_a_model_directory_or_a_bare_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "index_n_heads": 32}))
     assert reach.resolve(str(tmp_path)) == ("glm_moe_dsa", {"model_type": "glm_moe_dsa", "index_n_heads": 32})
     assert reach.resolve("deepseek_v4") == ("deepseek_v4", None)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: "m" * 300, "cannot be looked up as a path (File name too long)"),
+        (lambda d: str(d / ("m" * 300)), "cannot be looked up as a path (File name too long)"),
+        (
+            lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000) and str(d),
+            "is JSON nested too deeply to read",
+        ),
+    ],
+    ids=["long-name", "long-path", "nested-json"],
+)
+def test_every_model_path_problem_is_one_line_exit_2_for_doctor_and_check(tmp_path, make, words):
+    arg = make(tmp_path)
+    for command in ("doctor", "check"):
+        done = cli([command, "--model", arg], simulation_env(), timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (command, done.stderr[-2000:])
+        (line,) = done.stderr.splitlines()
+        assert line.startswith(f"vllm-flydsl-indexer {command}: error: ") and words in line, line
+
+
+def test_a_model_directory_whose_parent_cannot_be_entered_is_one_line(tmp_path, monkeypatch):
+    """Root enters any directory: the stat of a path under a mode-0 parent is refused as for a user."""
+    locked = tmp_path / "locked"
+    (locked / "model").mkdir(parents=True)
+    real_stat = os.stat
+
+    def refusing_stat(path, *a, **k):
+        if str(path).startswith(str(locked) + os.sep):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *a, **k)
+
+    monkeypatch.setattr(os, "stat", refusing_stat)
+    with pytest.raises(reach.ModelError, match=r"cannot be looked up as a path \(Permission denied\)"):
+        reach.resolve(str(locked / "model"))
+    assert reach.resolve("deepseek_v32") == ("deepseek_v32", None)  # a known name is never a path problem
 
 
 @pytest.mark.parametrize(

@@ -218,6 +218,8 @@ def ray_non_carry_over_report(environ: dict[str, str] | None = None) -> dict[str
         names = set(json.loads(files.read_text(path)))  # a FIFO or device here is a note, never a hang
     except FileNotFoundError:
         return data | {"note": f"no {path}: Ray workers get the plugin's variables"}
+    except RecursionError:
+        return data | {"note": f"cannot read {path} (RecursionError: JSON nested too deeply)"}
     except (OSError, ValueError, TypeError) as e:
         return data | {"note": f"cannot read {path} ({type(e).__name__}: {e})"}
     listed = [name for name in envs.ALL_VARIABLES if name in names]

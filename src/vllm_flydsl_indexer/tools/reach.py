@@ -208,10 +208,23 @@ def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
     if not arg.strip():  # Path("") is the current directory: never read it by accident
         raise ModelError(f"--model {arg}: is empty; expected {accepted()}")
     path = Path(arg)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except (OSError, ValueError) as e:  # a name too long for a path, a parent that cannot be entered
+        if arg not in MODELS and arg not in SHAPE_MODEL_TYPES:
+            why = getattr(e, "strerror", None) or e
+            raise ModelError(
+                f"--model {arg}: cannot be looked up as a path ({why}); expected {accepted()}"
+            ) from None
+        is_dir = False
+    if is_dir:
         config_file = path / "config.json"
         try:
             config = json.loads(files.read_text(str(config_file)))
+        except RecursionError:
+            raise ModelError(
+                f"--model {arg}: {config_file} is JSON nested too deeply to read; expected {accepted()}"
+            ) from None
         except (OSError, ValueError) as e:
             raise ModelError(
                 f"--model {arg}: no readable config.json ({type(e).__name__}: {e}); expected {accepted()}"
