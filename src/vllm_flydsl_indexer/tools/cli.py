@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from vllm_flydsl_indexer import files
 from vllm_flydsl_indexer.tools import cli_args, settings
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow
 
@@ -40,7 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     cli_args.add_check_arguments(
         sub.add_parser("check", help="prove the stock and FlyDSL arms agree on this machine")
     )
-    cli_args.add_bench_arguments(sub.add_parser("bench", help="A/B benchmark of the decode logits"))
+    cli_args.add_bench_arguments(
+        sub.add_parser(
+            "bench",
+            help="A/B benchmark of the decode logits",
+            description=f"A/B benchmark of the decode logits. Outputs: {files.OUTPUT_RULE}.",
+        )
+    )
     return parser
 
 

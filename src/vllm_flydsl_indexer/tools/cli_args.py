@@ -523,8 +523,8 @@ def tune_file(path: str) -> tuple[ParsedTable | None, str | None]:
     Read as the plugin reads a table (``tuning.read_table``): ``#`` lines, a byte-order mark, CRLF."""
     from vllm_flydsl_indexer import tuning
 
-    if not os.path.lexists(path):
-        return None, None  # a new table
+    if not os.path.exists(path):
+        return None, None  # a new table (or a symlink to one: written through, as every output)
     try:
         text = files.read_text(path)
         if not any(
