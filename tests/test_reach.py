@@ -461,3 +461,33 @@ def test_each_vllm_probe_that_raises_is_a_line_not_a_crash(monkeypatch, probe):
         data = reach.assess(model_type, None, ACTIVE)
         assert any(f"{probe} broke" in u for u in data["unknown"]), (model_type, data["unknown"])
         assert any(f"{probe} broke" in line for line in reach.render(data))
+
+
+@pytest.mark.parametrize(
+    ("given", "shape", "source"),
+    [
+        (
+            {"index_n_heads": 32},
+            (32, 128),
+            "index_n_heads from config.json, index_head_dim from this package's",
+        ),
+        (
+            {"index_head_dim": 256},
+            (64, 256),
+            "index_head_dim from config.json, index_n_heads from this package's",
+        ),
+        ({"index_n_heads": 32, "index_head_dim": 64}, (32, 64), "config.json"),
+        ({}, (64, 128), "this package's model table"),
+    ],
+)
+def test_config_json_shape_fields_are_used_one_by_one_and_their_source_said(tmp_path, given, shape, source):
+    """DeepSeek-V3.2 in the table is 64x128: a config.json field given alone is still the one used."""
+    from vllm_flydsl_indexer.tools import cli_args
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32", **given}))
+    model_type, config = reach.resolve(str(tmp_path))
+    data = reach.assess(model_type, config, ACTIVE)
+    assert (data["heads"], data["head_dim"]) == shape and data["shape_source"].startswith(source)
+    assert f"heads={shape[0]} head_dim={shape[1]} ({source}" in "\n".join(reach.render(data))
+    if shape == (32, 128):  # check --model runs it as the shape it is
+        assert cli_args.check_model(str(tmp_path)) == "glm-5"

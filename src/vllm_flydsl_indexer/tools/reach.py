@@ -332,10 +332,23 @@ def c4a_objection(compress_ratio: int, block_size: int) -> str | None:
 
 
 def shape_of(config: dict[str, Any] | None, model: ModelReach) -> tuple[int, int, str]:
-    """``(heads, head_dim, where from)``: config.json's fields when both are given, else the table's."""
-    if config is not None and config.get("index_n_heads") and config.get("index_head_dim"):
-        return int(config["index_n_heads"]), int(config["index_head_dim"]), "config.json"
-    return model.heads, model.head_dim, "this package's model table"
+    """``(heads, head_dim, where from)``: each field config.json gives, the package's model table for
+    the other; the third item says which part came from where."""
+    given = {name: config.get(name) for name in SHAPE_FIELDS} if config is not None else {}
+    heads = given.get("index_n_heads") or model.heads
+    head_dim = given.get("index_head_dim") or model.head_dim
+    read = [name for name in SHAPE_FIELDS if given.get(name)]
+    if len(read) == len(SHAPE_FIELDS):
+        return int(heads), int(head_dim), "config.json"
+    if not read:
+        return model.heads, model.head_dim, "this package's model table"
+    (field_read,) = read
+    (other,) = [name for name in SHAPE_FIELDS if name != field_read]
+    return (
+        int(heads),
+        int(head_dim),
+        f"{field_read} from config.json, {other} from this package's model table",
+    )
 
 
 def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -> dict[str, Any]:
