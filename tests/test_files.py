@@ -458,3 +458,30 @@ def test_bench_help_says_what_every_output_accepts(capsys):
         cli_mod.main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert " ".join(files.OUTPUT_RULE.split()) in text
+
+
+def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them():
+    """check's first table at its default sizes: numbers such as 6197/6197 leave no space to wrap at."""
+    import random
+
+    from vllm_flydsl_indexer.tools.table import WIDTH, format_table
+
+    rng = random.Random(os.urandom(4))
+
+    def word(n):
+        return "".join(rng.choice("0123456789/.e+-") for _ in range(n))
+
+    header = ("case", *(f"c{i}" for i in range(8)))
+    rows = [header] + [
+        (f"key {i} {word(30)}", *(word(rng.randrange(9, 14)) for _ in range(8))) for i in range(5)
+    ]
+    assert len(rows[1][0]) + sum(max(len(r[c]) for r in rows) for c in range(1, 9)) + 16 > WIDTH
+    lines = format_table(rows)
+    assert max(map(len, lines)) <= WIDTH, lines
+    firsts = [line for line in lines[2:] if line.startswith("key ")]
+    assert [line[: len(r[0])] for line, r in zip(firsts, rows[1:], strict=True)] == [r[0] for r in rows[1:]]
+    # Every character of every cell is still there, in order, column by column.
+    starts = [sum(len(x) + 2 for x in lines[1].split()[:k]) for k in range(9)]
+    ends = [*starts[1:], None]
+    column = {c: "".join(line[starts[c] : ends[c]].strip() for line in lines[2:]) for c in range(1, 9)}
+    assert all(column[c] == "".join(r[c] for r in rows[1:]) for c in range(1, 9))
