@@ -149,13 +149,25 @@ def test_other_kernels_get_no_builtin_table(target, gfx950_at, aiter_calls, plug
     assert run_batch(target, installed, aiter_calls, 1) == [f"flydsl-{flydsl}".replace("-general", "")]
 
 
-def test_none_turns_every_table_off(target, gfx950_at, aiter_calls, plugin_log):
-    installed = gfx950_at(tuned_csv="None")
+@pytest.mark.parametrize("value", ["None", " none ", "OFF", "0", "false", "\tFalse\n"])
+def test_none_and_its_spellings_turn_every_table_off(target, gfx950_at, aiter_calls, plugin_log, value):
+    installed = gfx950_at(tuned_csv=value)
     assert installed.router.table is None
     assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
     active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
-    assert f"({envs.TUNED_CSV}=none): FlyDSL wherever eligible" in active[0]
+    assert f"({envs.TUNED_CSV}={value.strip().lower()}): FlyDSL wherever eligible" in active[0]
     assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
+
+
+def test_a_path_with_whitespace_around_it_names_the_file(
+    target, gfx950_at, aiter_calls, plugin_log, tmp_path
+):
+    path = tmp_path / "mine.csv"
+    path.write_text(table_text(row(cu=256, batch=1, next_n=1, backend="flydsl", wg=1)))
+    installed = gfx950_at(tuned_csv=f"  {path}\n")
+    assert installed.router.table.origin == "env" and installed.router.table.source == str(path)
+    assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
+    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]  # the built-in table: Gluon
 
 
 def test_an_explicit_table_replaces_the_builtin_one_never_merged(target, gfx950_at, aiter_calls, tmp_path):
@@ -169,16 +181,52 @@ def test_an_explicit_table_replaces_the_builtin_one_never_merged(target, gfx950_
     assert run_batch(target, installed, aiter_calls, 4, next_n=2) == ["flydsl-gfx950"]
 
 
-def test_a_bad_explicit_table_is_ignored_whole_not_replaced_by_the_builtin(
-    target, gfx950_at, aiter_calls, plugin_log, tmp_path
+@pytest.mark.parametrize("bad", ["bad row", "absent", "no rows for gfx950"])
+def test_a_bad_explicit_table_falls_back_to_the_next_source_with_one_warning(
+    target, gfx950_at, aiter_calls, plugin_log, tmp_path, bad
 ):
+    """An explicit table that cannot be used is not merged: the next source decides (here the built-in
+    table, which sends batch 1 to Gluon), and one WARNING names the file and that source."""
     path = tmp_path / "bad.csv"
-    path.write_text(table_text(row(cu=256, batch=1, backend="nope")))
+    if bad == "bad row":
+        path.write_text(table_text(row(cu=256, batch=1, backend="nope")))
+    elif bad == "no rows for gfx950":
+        path.write_text(table_text(row(gfx="gfx942", cu=256, batch=1)))
     installed = gfx950_at(tuned_csv=str(path))
-    assert installed.router.table is None
-    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
+    assert installed.router.table.origin == "built-in"
+    assert run_batch(target, installed, aiter_calls, 1) == ["gluon"]
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    assert any("tuned table ignored" in w and "bad.csv" in w for w in warnings), warnings
+    (warning,) = [w for w in warnings if "tuned table ignored" in w]
+    assert str(path) in warning and f"using the {tuning.BUILTIN.label} instead" in warning, warning
+    active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
+    assert f"per shape: {tuning.BUILTIN.label}" in active[0], active
+
+
+def test_a_bad_explicit_table_falls_to_aiters_table_before_the_builtin(monkeypatch, tmp_path, plugin_log):
+    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+    shipped = tmp_path / "shipped.csv"
+    shipped.write_text(table_text(row(cu=256, batch=8, backend="gluon")))
+    monkeypatch.setattr(tuning, "_aiter_table", lambda: str(shipped))
+    source = tuning.table_source(str(tmp_path / "absent.csv"), "gfx950")
+    table = tuning.load_source(source, "gfx950", logger)
+    assert table.origin == "aiter" and table.rows == 1
+    (warning,) = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert (
+        "absent.csv" in warning and f"using the tuned table {shipped} (shipped with aiter) instead" in warning
+    )
+    assert tuning.in_use(source, table) == f"tuned table {shipped} (shipped with aiter)"
+    # Every source unusable: one WARNING each, and the last word is the switch's meaning.
+    shipped.write_text("not,a,table\n")
+    plugin_log.clear()
+    source = tuning.table_source(str(tmp_path / "absent.csv"), "general")
+    assert tuning.load_source(source, "gfx950", logger) is None
+    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and all("no other table: no measurement for the general" in w for w in warnings)
+    assert tuning.in_use(source, None).endswith(
+        "ignored, no measurement for the general FlyDSL kernel: "
+        "FlyDSL wherever eligible (vllm-flydsl-indexer bench --tune "
+        "measures this node)"
+    )
 
 
 def test_another_cu_count_keeps_flydsl_wherever_eligible_with_one_info(
@@ -197,6 +245,9 @@ def test_precedence_variable_then_aiters_table_then_builtin_then_none(monkeypatc
     monkeypatch.setattr(tuning, "_aiter_table", lambda: shipped)
     assert tuning.table_source("/mine.csv", "gfx950").path == "/mine.csv"
     assert tuning.table_source(" NONE ", "gfx950").path is None
+    assert tuning.table_source(" /mine.csv\t", "gfx950").path == "/mine.csv"
+    for off in tuning.OFF_VALUES:
+        assert tuning.table_source(f" {off.upper()} ", "gfx950").origin == "off"
     assert tuning.table_source(None, "gfx950").path == shipped
     assert tuning.table_source(None, "general").path == shipped
     monkeypatch.setattr(tuning, "_aiter_table", lambda: None)
@@ -333,3 +384,36 @@ def test_the_readmes_speed_grid_and_summary_are_the_builtin_tables():
         f"FlyDSL only where AMD measured it faster ({summary['router+table']['flydsl_shapes']} of the 72"
         in readme
     )
+
+
+def test_doctor_shows_the_bad_explicit_table_and_the_source_used_instead(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(table_text(row(cu=256, batch=1, backend="nope")))
+    data = doctor_json(AITER_DOUBLE_FLYDSL="gfx950", **{envs.TUNED_CSV: f" {bad} "})
+    table = data["tuned_table"]
+    assert table["origin"] == "built-in" and table["rows"] == SOURCE_ROWS
+    (ignored,) = table["ignored"]
+    assert ignored["source"] == str(bad) and ignored["origin"] == "env"
+    assert ignored["note"].startswith(f"IGNORED: {bad}: line 2, column backend")
+    assert ignored["note"].endswith(f"using the {tuning.BUILTIN.label} instead")
+    assert "per shape: built-in table (aiter 39029932" in data["log_line"]
+    off = doctor_json(AITER_DOUBLE_FLYDSL="gfx950", **{envs.TUNED_CSV: " Off "})["tuned_table"]
+    assert off["origin"] == "off" and off["source"] is None and not off["ignored"]
+
+
+def test_doctor_off_rocm_calls_a_valid_table_valid(tmp_path):
+    """No ROCm arch here: a valid table is 'valid, N rows; none for this machine', not a broken file."""
+    from conftest import simulation_env
+
+    path = tmp_path / "mine.csv"
+    path.write_text(table_text(row(cu=256, batch=1), row(cu=256, batch=8)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_flydsl_indexer", "doctor"],
+        env=simulation_env(rocm=False, **{envs.SWITCH: "1", envs.TUNED_CSV: str(path)}),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (line,) = [x for x in proc.stdout.splitlines() if x.startswith(f"tuned table: {path}")]
+    assert f"IGNORED: {path}: valid, 2 rows; none for this machine (no ROCm arch)" in line, line

@@ -463,3 +463,22 @@ def test_check_in_a_patched_process_compares_against_the_original(installed, wor
     assert target.rocm_fp8_paged_mqa_logits is installed.wrapper
     found = paths.build_paths(arms.detect_arms(torch.device("cpu")), torch.device("cpu"), 8, 256)
     assert found.uses_vllm and found.stock is installed.original
+
+
+@pytest.mark.parametrize(("value", "said"), [("0", "off"), ("garbage", "warning"), (None, "on")])
+def test_check_says_when_the_self_test_is_off_or_its_variable_did_not_parse(
+    target, workspace, monkeypatch, capsys, value, said
+):
+    """The self-test section is never dropped without a word; a bad value warns as doctor does."""
+    if value is None:
+        monkeypatch.delenv(envs.SELFTEST, raising=False)
+    else:
+        monkeypatch.setenv(envs.SELFTEST, value)
+    rc, out = run_check(capsys, [*SMALL, "--model", "glm-5", "--block-size", "64", "--next-n", "1"])
+    assert rc == 0, out
+    text = " ".join(out.split())
+    assert check.SELF_TEST_SECTION in out
+    off = f"off ({envs.SELFTEST}=0): the patched router ran without it"
+    warning = f"warning: {envs.SELFTEST}='garbage' is not one of 1/0/true/false"
+    assert (off in text) is (said == "off") and (warning in text) is (said == "warning"), out
+    assert (": passed" in out) is (said != "off")

@@ -22,9 +22,9 @@ CLI = [sys.executable, "-m", "vllm_flydsl_indexer"]
 PACKAGE_ROOT = str(Path(vllm_flydsl_indexer.__file__).resolve().parents[1])
 
 
-def cli(args, env, timeout=300):
+def cli(args, env, timeout=300, cwd=None):
     env = {**env, "PYTHONPATH": os.pathsep.join(filter(None, [env.get("PYTHONPATH"), PACKAGE_ROOT]))}
-    return subprocess.run(CLI + args, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(CLI + args, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 def no_vllm_env(**extra):

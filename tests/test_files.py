@@ -399,3 +399,89 @@ def test_a_wide_table_wraps_its_widest_columns_and_keeps_every_word():
     firsts = [line for line in lines[2:] if line.endswith("PASS")]
     assert [line.split("  ")[0] for line in firsts] == [r[0] for r in rows[1:]]  # the key column never wraps
     assert sorted(" ".join(lines[2:]).split()) == sorted(" ".join(" ".join(r) for r in rows[1:]).split())
+
+
+# ------------------------------------------------------------------ outputs and the shell
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_an_output_that_is_the_commands_own_stdout_or_stderr_is_refused(tmp_path, stream):
+    """``bench --json /dev/stdout > log.txt``: the rename would replace log.txt and lose the report."""
+    log = tmp_path / "log.txt"
+    log.write_text("earlier\n")
+    for flag, path in (("--json", f"/dev/{stream}"), ("--csv", str(log))):
+        with open(log, "a") as redirected:
+            done = subprocess.run(
+                [*CLI, "bench", "--device", "cpu", "--reference", flag, path],
+                env={**no_vllm_env(), "PYTHONPATH": f"{no_vllm_env()['PYTHONPATH']}:{PACKAGE_ROOT}"},
+                stdout=redirected if stream == "stdout" else subprocess.PIPE,
+                stderr=redirected if stream == "stderr" else subprocess.PIPE,
+                text=True,
+                timeout=120,
+            )
+        err = log.read_text().removeprefix("earlier\n") if stream == "stderr" else done.stderr
+        assert done.returncode == 2, err
+        (line,) = err.splitlines()
+        name = {"stdout": "standard output", "stderr": "standard error"}[stream]
+        assert f"argument {flag}: {path} is this command's {name}" in line, line
+        assert log.read_text().startswith("earlier\n")  # still the shell's file, never replaced
+        log.write_text("earlier\n")
+
+
+def test_a_symlink_to_a_new_file_is_one_behaviour_for_every_output(tmp_path, no_work, monkeypatch, capsys):
+    """A link whose target does not exist yet is a new file for --json, --csv and --tune alike."""
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+
+    no_gpu(monkeypatch)
+    link = tmp_path / "out.x"
+    link.symlink_to(tmp_path / "target.x")
+    for flag in ("--json", "--csv", "--tune"):
+        argv = ["bench", "--device", "cpu", flag, str(link)] + (["--reference"] if flag == "--tune" else [])
+        assert cli_mod.main(argv) == 0, capsys.readouterr().err
+        assert getattr(no_work[-1], {"--json": "json_path", "--csv": "csv_path", "--tune": "tune_path"}[flag])
+    assert len(no_work) == 3 and link.is_symlink() and not (tmp_path / "target.x").exists()
+    files.write_atomic(str(link), "new\n")
+    assert link.is_symlink() and (tmp_path / "target.x").read_text() == "new\n"
+    dangling = tmp_path / "d.json"
+    dangling.symlink_to(tmp_path / "missing" / "t.json")
+    for flag in ("--json", "--tune"):  # a target that cannot be created: one line, whatever the output
+        argv = ["bench", "--device", "cpu", flag, str(dangling)] + (
+            ["--reference"] if flag == "--tune" else []
+        )
+        assert f"argument {flag}: cannot open {dangling} for writing" in rejected(argv, capsys)
+
+
+def test_bench_help_says_what_every_output_accepts(capsys):
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+
+    with pytest.raises(SystemExit):
+        cli_mod.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert " ".join(files.OUTPUT_RULE.split()) in text
+
+
+def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them():
+    """check's first table at its default sizes: numbers such as 6197/6197 leave no space to wrap at."""
+    import random
+
+    from vllm_flydsl_indexer.tools.table import WIDTH, format_table
+
+    rng = random.Random(os.urandom(4))
+
+    def word(n):
+        return "".join(rng.choice("0123456789/.e+-") for _ in range(n))
+
+    header = ("case", *(f"c{i}" for i in range(8)))
+    rows = [header] + [
+        (f"key {i} {word(30)}", *(word(rng.randrange(9, 14)) for _ in range(8))) for i in range(5)
+    ]
+    assert len(rows[1][0]) + sum(max(len(r[c]) for r in rows) for c in range(1, 9)) + 16 > WIDTH
+    lines = format_table(rows)
+    assert max(map(len, lines)) <= WIDTH, lines
+    firsts = [line for line in lines[2:] if line.startswith("key ")]
+    assert [line[: len(r[0])] for line, r in zip(firsts, rows[1:], strict=True)] == [r[0] for r in rows[1:]]
+    # Every character of every cell is still there, in order, column by column.
+    starts = [sum(len(x) + 2 for x in lines[1].split()[:k]) for k in range(9)]
+    ends = [*starts[1:], None]
+    column = {c: "".join(line[starts[c] : ends[c]].strip() for line in lines[2:]) for c in range(1, 9)}
+    assert all(column[c] == "".join(r[c] for r in rows[1:]) for c in range(1, 9))

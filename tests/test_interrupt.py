@@ -86,7 +86,8 @@ def leftovers(directory) -> list[str]:
 
 
 def test_bench_sigint_keeps_the_finished_shapes(tmp_path):
-    """First Ctrl-C: the shape under way finishes, then every requested file is written with what finished."""
+    """First Ctrl-C: the shape under way is dropped at its next call, then every requested file is written
+    with what finished."""
     j, c = tmp_path / "out.json", tmp_path / "out.csv"
     rc, out, err = signal_run(
         [*SMALL_BENCH, "--json", str(j), "--csv", str(c)],
@@ -97,7 +98,11 @@ def test_bench_sigint_keeps_the_finished_shapes(tmp_path):
     assert "Traceback" not in err
     lines = err.splitlines()
     assert (
-        lines.count("vllm-flydsl-indexer: SIGINT: stopping after the current shape (again to stop now)") == 1
+        lines.count(
+            "vllm-flydsl-indexer: SIGINT: stopping after the current call; the shape under way is dropped "
+            "(again to stop now)"
+        )
+        == 1
     ), err
     match = re.fullmatch(r"interrupted after (\d+)/(\d+)", lines[-1])
     assert match, err
@@ -121,7 +126,7 @@ def test_bench_second_sigint_stops_now_without_a_traceback_or_a_partial_file(tmp
     rc, out, err = signal_run(
         [*SMALL_BENCH, "--json", str(j)],
         " 1/4 ",
-        [(signal.SIGINT, "stopping after the current shape"), (signal.SIGINT, None)],
+        [(signal.SIGINT, "stopping after the current call"), (signal.SIGINT, None)],
     )
     assert rc == interrupt.EXIT_INTERRUPTED, err[-3000:]
     assert "Traceback" not in err
@@ -336,3 +341,69 @@ def test_tune_sigint_merges_the_finished_rows_and_says_so(tmp_path):
     assert len(data["rows"]) == done
     assert f"bench --tune: wrote {done} rows" in out and "kept 1 earlier rows" in out
     assert leftovers(tmp_path) == []
+
+
+# ---------------------------------------------------------------- the stop is bounded in time
+
+
+@pytest.mark.parametrize("command", ["bench", "tune"])
+def test_a_stop_waits_for_one_timed_call_not_for_the_repeats(tmp_path, monkeypatch, capsys, command):
+    """A signal during a long --repeats ends the run at the next call: the shape under way is dropped,
+    what finished is written, exit 130. A loop that checked only between shapes would run on."""
+    from vllm_flydsl_indexer.tools import cli, harness
+
+    real = harness.Timer.time_us
+    calls = []
+
+    def counting(self, fn, warmup, repeats):
+        def once(i):
+            calls.append(i)
+            if len(calls) == 5:
+                signal.raise_signal(signal.SIGTERM)
+            if len(calls) > 200:
+                raise RuntimeError("the stop was not taken between timed calls")
+            return fn(i)
+
+        return real(self, once, warmup, repeats)
+
+    monkeypatch.setattr(harness.Timer, "time_us", counting)
+    j = tmp_path / "out.json"
+    small = ["--device", "cpu", "--batch", "1", "--next-n", "1", "--heads", "32", "--block-size", "1"]
+    argv = ["bench", *small, "--context-len", "64,128", "--repeats", "100000", "--json", str(j)]
+    if command == "tune":
+        argv += ["--tune", str(tmp_path / "t.csv"), "--reference"]
+    assert cli.main(argv) == interrupt.EXIT_INTERRUPTED
+    err = capsys.readouterr().err
+    assert "SIGTERM: stopping after the current call; the shape under way is dropped" in err, err
+    assert err.splitlines()[-1] == "interrupted after 0/" + ("1" if command == "tune" else "2"), err
+    assert len(calls) == 5
+    meta = json.loads(j.read_text())["meta"]
+    assert meta["interrupted"] is True and meta["completed"] == 0
+
+
+def test_a_sigterm_outside_the_graceful_stop_exits_130_as_sigint_does(tmp_path):
+    """A signal after a tool's own handlers are gone (its graceful stop finished, say): 130, never 143."""
+    code = (
+        "import os, signal, sys, time\n"
+        "from vllm_flydsl_indexer.tools import cli, doctor\n"
+        "def late(**kw):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(5)\n"
+        "    return 0\n"
+        "doctor.main = late\n"
+        "sys.exit(cli.main(['doctor']))\n"
+    )
+    env = no_vllm_env()
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], PACKAGE_ROOT])
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == interrupt.EXIT_INTERRUPTED, (done.returncode, done.stderr[-2000:])
+    assert done.stderr.splitlines() == ["vllm-flydsl-indexer doctor: interrupted"]
+
+
+def test_help_says_how_soon_a_signal_stops_each_tool(capsys):
+    from vllm_flydsl_indexer.tools import cli, settings
+
+    for command, text in (("check", settings.STOP_CHECK), ("bench", settings.STOP_BENCH)):
+        with pytest.raises(SystemExit):
+            cli.main([command, "--help"])
+        assert " ".join(text.split()) in " ".join(capsys.readouterr().out.split())

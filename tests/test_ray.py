@@ -197,6 +197,11 @@ def test_doctor_is_quiet_or_one_line_for_other_files(monkeypatch, tmp_path):
     assert section["warning"] is None and section["note"].startswith(f"cannot read {path} (JSONDecodeError")
     path.write_text("7")
     assert doctor.ray_non_carry_over_report()["note"].startswith(f"cannot read {path} (TypeError")
+    path.write_text("[" * 100_000 + "]" * 100_000)  # nested past Python's recursion limit
+    assert (
+        doctor.ray_non_carry_over_report()["note"]
+        == f"cannot read {path} (RecursionError: JSON nested too deeply)"
+    )
     path.unlink()
     assert doctor.ray_non_carry_over_report()["note"].startswith(f"no {path}:")
     assert "ray:      no " in doctor.render(doctor.report({}))

@@ -7,6 +7,7 @@ import ast
 import importlib.metadata
 import json
 import logging
+import os
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -123,6 +124,44 @@ def test_resolve_reads_a_model_directory_or_a_bare_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "index_n_heads": 32}))
     assert reach.resolve(str(tmp_path)) == ("glm_moe_dsa", {"model_type": "glm_moe_dsa", "index_n_heads": 32})
     assert reach.resolve("deepseek_v4") == ("deepseek_v4", None)
+
+
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda d: "m" * 300, "cannot be looked up as a path (File name too long)"),
+        (lambda d: str(d / ("m" * 300)), "cannot be looked up as a path (File name too long)"),
+        (
+            lambda d: (d / "config.json").write_text("[" * 100_000 + "]" * 100_000) and str(d),
+            "is JSON nested too deeply to read",
+        ),
+    ],
+    ids=["long-name", "long-path", "nested-json"],
+)
+def test_every_model_path_problem_is_one_line_exit_2_for_doctor_and_check(tmp_path, make, words):
+    arg = make(tmp_path)
+    for command in ("doctor", "check"):
+        done = cli([command, "--model", arg], simulation_env(), timeout=60)
+        assert done.returncode == 2 and done.stdout == "", (command, done.stderr[-2000:])
+        (line,) = done.stderr.splitlines()
+        assert line.startswith(f"vllm-flydsl-indexer {command}: error: ") and words in line, line
+
+
+def test_a_model_directory_whose_parent_cannot_be_entered_is_one_line(tmp_path, monkeypatch):
+    """Root enters any directory: the stat of a path under a mode-0 parent is refused as for a user."""
+    locked = tmp_path / "locked"
+    (locked / "model").mkdir(parents=True)
+    real_stat = os.stat
+
+    def refusing_stat(path, *a, **k):
+        if str(path).startswith(str(locked) + os.sep):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *a, **k)
+
+    monkeypatch.setattr(os, "stat", refusing_stat)
+    with pytest.raises(reach.ModelError, match=r"cannot be looked up as a path \(Permission denied\)"):
+        reach.resolve(str(locked / "model"))
+    assert reach.resolve("deepseek_v32") == ("deepseek_v32", None)  # a known name is never a path problem
 
 
 @pytest.mark.parametrize(
@@ -380,3 +419,75 @@ def test_readme_model_table_agrees_with_doctor(model_type):
         assert data["kv_cache_layout"] in layout
     assert takes.startswith("yes") is data["allows_flydsl"]
     assert takes.startswith(("yes", "no")) and (("strided" in takes) is (not data["layer_contiguous"]))
+
+
+# ------------------------------------------------------------------ a vLLM that raises on import
+
+
+@pytest.mark.parametrize(
+    ("raises", "where"),
+    [("ImportError('boom')", "path"), ("ImportError('boom')", "cwd"), ("RuntimeError('boom')", "cwd")],
+)
+def test_doctor_answers_whatever_a_broken_vllm_raises_on_import(tmp_path, raises, where):
+    """A ``vllm`` package that raises on import (on PYTHONPATH, or in the current directory, which
+    ``python -m`` puts first on the path): every doctor form answers, exit 0, and says vLLM is broken."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(f"raise {raises}\n")
+    env = simulation_env(**{envs.SWITCH: "1"})
+    if where == "path":
+        env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    kind = raises.split("(")[0]
+    runs = [["doctor"], ["doctor", "--json"], *(["doctor", "--model", m] for m in reach.MODELS)]
+    for args in [*runs, ["doctor", "--json", "--model", "glm5_next"]]:
+        done = cli(args, env, cwd=tmp_path)
+        assert done.returncode == 0 and "Traceback" not in done.stderr, (args, done.stderr[-3000:])
+        if "--json" in args and "--model" in args:
+            data = json.loads(done.stdout)["model"]
+            assert data["vllm_import_error"] == f"{kind}: boom" and data["not_read_from_vllm"]
+        elif "--model" in args:
+            (line,) = [x for x in done.stdout.splitlines() if x.startswith("  vLLM broken:")]
+            assert f"import vllm raises {kind}: boom" in line, done.stdout
+
+
+@pytest.mark.parametrize("probe", ["mxfp4_default_models", "resolved_layout", "c4a_objection"])
+def test_each_vllm_probe_that_raises_is_a_line_not_a_crash(monkeypatch, probe):
+    """Each probe of an importable vLLM that raises (a module of it broken) is said, never raised."""
+
+    def broken(*args):
+        raise RuntimeError(f"{probe} broke")
+
+    monkeypatch.setattr(reach, probe, broken)
+    for model_type in reach.MODELS:
+        data = reach.assess(model_type, None, ACTIVE)
+        assert any(f"{probe} broke" in u for u in data["unknown"]), (model_type, data["unknown"])
+        assert any(f"{probe} broke" in line for line in reach.render(data))
+
+
+@pytest.mark.parametrize(
+    ("given", "shape", "source"),
+    [
+        (
+            {"index_n_heads": 32},
+            (32, 128),
+            "index_n_heads from config.json, index_head_dim from this package's",
+        ),
+        (
+            {"index_head_dim": 256},
+            (64, 256),
+            "index_head_dim from config.json, index_n_heads from this package's",
+        ),
+        ({"index_n_heads": 32, "index_head_dim": 64}, (32, 64), "config.json"),
+        ({}, (64, 128), "this package's model table"),
+    ],
+)
+def test_config_json_shape_fields_are_used_one_by_one_and_their_source_said(tmp_path, given, shape, source):
+    """DeepSeek-V3.2 in the table is 64x128: a config.json field given alone is still the one used."""
+    from vllm_flydsl_indexer.tools import cli_args
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32", **given}))
+    model_type, config = reach.resolve(str(tmp_path))
+    data = reach.assess(model_type, config, ACTIVE)
+    assert (data["heads"], data["head_dim"]) == shape and data["shape_source"].startswith(source)
+    assert f"heads={shape[0]} head_dim={shape[1]} ({source}" in "\n".join(reach.render(data))
+    if shape == (32, 128):  # check --model runs it as the shape it is
+        assert cli_args.check_model(str(tmp_path)) == "glm-5"

@@ -60,3 +60,64 @@ def test_no_command_overrides_vllms_cudagraph_warmup():
         assert '"cudagraph_num_of_warmups"' not in text, f"{path.name} passes cudagraph_num_of_warmups"
     # The README says why instead.
     assert "No compilation flag is needed." in (ROOT / "README.md").read_text()
+
+
+def test_readme_is_at_most_300_lines():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def _first_paragraph() -> str:
+    return " ".join((ROOT / "README.md").read_text().split("```bash", 1)[0].split())
+
+
+def test_the_first_sentence_scopes_amds_measurements_to_what_they_measured():
+    """The claim "where AMD's measurements say it beats Gluon" holds only where the built-in table has rows"""
+    import csv
+
+    from vllm_flydsl_indexer import tuning
+
+    with open(tuning.BUILTIN.path()) as f:
+        rows = list(csv.DictReader(line for line in f if not line.startswith(tuning.COMMENT)))
+    (heads,) = {r["heads"] for r in rows}
+    (cus,) = {r["cu_num"] for r in rows}
+    head = _first_paragraph()
+    assert f"measured: aiter's {tuning.BUILTIN.variant} kernel at {heads} heads on {cus} CUs" in head, head
+    assert "FlyDSL takes every eligible call" in head and "PR #4221" in head
+
+
+def test_the_readmes_active_line_is_what_the_plugin_logs():
+    """The example ACTIVE line (general kernel, no table) is doctor's log line, word for word."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import simulation_env
+
+    env = simulation_env(VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS="1", AITER_DOUBLE_FLYDSL="general")
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_flydsl_indexer", "doctor", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = json.loads(done.stdout)["log_line"]
+    assert "; per shape: " in line
+    readme = (ROOT / "README.md").read_text().splitlines()
+    active = [x for x in readme if x.startswith("vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE")]
+    assert active == [line]
+
+
+def test_every_plot_command_in_the_readme_says_it_needs_matplotlib():
+    paragraphs = (ROOT / "README.md").read_text().split("\n\n")
+    for paragraph in paragraphs:
+        if "--plot" in paragraph:
+            assert "matplotlib" in paragraph and "pip install '.[plot]'" in paragraph, paragraph
+
+
+def test_the_speed_grid_legend_says_bold_is_above_1_before_rounding():
+    """A 1.00 cell is bold where the ratio was above 1: the legend must say so (the grid's own test)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    assert "in bold: FlyDSL faster, a ratio above 1 before rounding" in readme
+    assert "**1.00**" in readme

@@ -169,6 +169,15 @@ def cells(text: str, **values: object) -> str:
             table_text(cells(row(), preshuffle="maybe")),
             "line 2, column preshuffle: 'maybe' is not 1/0/true/false",
         ),
+        # A row no call can match: vLLM preshuffles exactly when KVBlockSize > 1.
+        (
+            table_text(row(batch=1), cells(row(), preshuffle=0)),
+            "line 3, column preshuffle: '0' with kv_block_size 64: no call can match this row",
+        ),
+        (
+            table_text(cells(row(kvb=1), preshuffle="true")),
+            "line 2, column preshuffle: 'true' with kv_block_size 1: no call can match this row",
+        ),
         # Every knob and time column, not only the lookup key.
         (table_text(cells(row(), wg_per_cu="abc")), "line 2, column wg_per_cu: 'abc' is not an integer"),
         (table_text(cells(row(), wg_per_cu="-1")), "line 2, column wg_per_cu: -1 is not >= 0"),
@@ -190,7 +199,8 @@ def cells(text: str, **values: object) -> str:
             "line 2, after column flydsl_us: 1 more cell(s) than the header's 16 columns",
         ),
         (HEADER + "\n", "no rows"),
-        (table_text(row(gfx="gfx942")), "no rows for gfx950 (of 1)"),
+        (table_text(row(gfx="gfx942")), "valid, 1 row; none for gfx950"),
+        (table_text(row(gfx="gfx942"), row(gfx="gfx942", batch=8)), "valid, 2 rows; none for gfx950"),
     ],
 )
 def test_a_bad_table_is_refused_whole(text, message):
@@ -411,6 +421,43 @@ def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
     )
 
 
+def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plugin_log, capsys):
+    """A row whose preshuffle disagrees with its kv_block_size, beside rows that match calls: the
+    loader, doctor and bench --tune each refuse the table with that row's line, and doctor never raises."""
+    from vllm_flydsl_indexer.tools import cli, doctor, tune
+
+    path = tmp_path / "tuned.csv"
+    path.write_text(table_text(row(cu=256, batch=1), row(cu=256, batch=64), cells(row(cu=256), preshuffle=0)))
+    why = "line 4, column preshuffle: '0' with kv_block_size 64: no call can match this row"
+    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+    assert tuning.load(str(path), "gfx950", logger) is None
+    assert why in plugin_log[-1].getMessage()
+    data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
+    assert why in data["tuned_table"]["note"] and "shapes" not in data["tuned_table"]
+    assert why in doctor.render(data)
+    monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS])
+    assert refused.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_describe_reports_every_bucket_of_its_own_shape_and_never_raises():
+    """doctor's per-shape buckets are the shape's own, whatever rows a table was built from."""
+    table = parse(row(cu=256, batch=1, backend="gluon"), row(cu=256, batch=64), row(cu=256, kvb=1, batch=8))
+    shapes = {(s["kv_block_size"], s["preshuffle"]): s["buckets"] for s in tuning.describe(table)}
+    assert shapes == {
+        (64, True): [
+            {"batch_at_least": 1, "arm": "stock"},
+            {"batch_at_least": 64, "arm": "flydsl", "wg_per_cu": 0},
+        ],
+        (1, False): [{"batch_at_least": 8, "arm": "flydsl", "wg_per_cu": 0}],
+    }
+    # Built around the validator (no call can match the shape): reported as such, not an AssertionError.
+    table.shapes[(256, 1, 32, 128, 64, False)] = {4: [("flydsl", 0)]}
+    odd = [s for s in tuning.describe(table) if not s["preshuffle"] and s["kv_block_size"] == 64]
+    assert odd[0]["buckets"] == [{"batch_at_least": 4, "arm": "stock", "why": "no call matches"}]
+
+
 # ---------------------------------------------------------------- the row's knob reaches the launch
 
 
@@ -538,7 +585,8 @@ def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plu
     assert note.startswith("IGNORED: ") and str(path) in note, note
     assert "tuned table" in doctor.render(data)
     logger = logging.getLogger("vllm.plugins.flydsl_indexer")
-    assert tuning.load(str(path), "gfx950", logger) is None
+    source = tuning.table_source(str(path), data["kernel"]["variant"])
+    assert tuning.load_source(source, "gfx950", logger) is None
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and warnings[0].startswith("vllm-flydsl-indexer: tuned table ignored: ")
     assert warnings[0].endswith(note.removeprefix("IGNORED: ")), (warnings, note)  # one reader, one text
@@ -648,3 +696,101 @@ def test_tune_replaces_rows_of_the_same_key_and_keeps_the_rest_as_read(tmp_path,
     lines = path.read_text().splitlines()
     assert lines[:2] == [HEADER, kept] and len(lines) == 3
     assert lines[2].startswith("reference,1,1,1,32,128,64,1,1024,")
+
+
+# ---------------------------------------------------------------- one table format, read and written
+
+SMALL_TUNE = ["--heads", "32", "--batch", "1", "--block-size", "64", "--next-n", "1", "--repeats", "1"]
+
+
+def reference_tune(path, *extra: str) -> int:
+    from vllm_flydsl_indexer.tools import cli
+
+    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", *SMALL_TUNE, "--warmup", "0"]
+    return cli.main([*argv, *extra])
+
+
+@pytest.mark.parametrize("bom", [False, True], ids=["plain", "bom"])
+@pytest.mark.parametrize("crlf", [False, True], ids=["lf", "crlf"])
+def test_tune_merges_into_a_copy_of_the_builtin_table_keeping_its_comments(tmp_path, capsys, bom, crlf):
+    """The package's own table (``#`` provenance lines first) is a table bench --tune merges into,
+    whatever a spreadsheet did to it (a byte-order mark, CRLF); it writes LF, comments kept in place."""
+    builtin = open(tuning.BUILTIN.path(), newline="").read()
+    assert builtin.startswith("#") and "\r" not in builtin
+    text = builtin.replace("\n", "\r\n") if crlf else builtin
+    path = tmp_path / "mine.csv"
+    path.write_bytes(("\ufeff" if bom else "").encode() + text.encode())
+    assert tuning.read(str(path), "gfx950").rows == 72  # the plugin reads it
+    assert reference_tune(path) == 0, capsys.readouterr().err
+    assert "kept 72 earlier rows" in capsys.readouterr().out
+    written = path.read_bytes().decode()
+    assert "\r" not in written and not written.startswith("\ufeff")
+    new_line = written.splitlines()[-1]
+    assert new_line.startswith("reference,") and written == builtin + new_line + "\n"
+    assert tuning.read(str(path), "gfx950").rows == 72
+
+
+def test_a_comment_between_rows_stays_in_place_and_a_replaced_row_goes(tmp_path, capsys):
+    path = tmp_path / "t.csv"
+    old = row(gfx="reference", cu=1, batch=1, ctx=1024, backend="gluon")
+    lines = [
+        "# node 7, 2026-12",
+        HEADER,
+        row(cu=256, batch=1),
+        "  # tuned again below",
+        old,
+        row(cu=256, batch=8),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    assert reference_tune(path) == 0, capsys.readouterr().err
+    got = path.read_text().splitlines()
+    assert got[:4] == lines[:4] and got[4] == lines[5] and got[5].startswith("reference,1,1,1,32,128,64,1,")
+    assert len(got) == 6
+
+
+def test_bench_csv_and_tune_tables_have_lf_line_endings(tmp_path, capsys):
+    from vllm_flydsl_indexer.tools import cli
+
+    out = tmp_path / "out.csv"
+    argv = ["bench", "--device", "cpu", "--reference", *SMALL_TUNE, "--context-len", "64", "--warmup", "0"]
+    assert cli.main([*argv, "--csv", str(out)]) == 0
+    assert b"\r" not in out.read_bytes() and out.read_bytes().count(b"\n") >= 2
+    table = tmp_path / "t.csv"
+    assert reference_tune(table) == 0
+    assert b"\r" not in table.read_bytes() and table.read_bytes().count(b"\n") == 2
+
+
+def test_a_bom_in_a_table_or_a_config_json_is_not_text(tmp_path):
+    from vllm_flydsl_indexer.tools import reach
+
+    path = tmp_path / "t.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + table_text(row()).encode())
+    assert tuning.read(str(path), "gfx950").rows == 1
+    (tmp_path / "config.json").write_bytes(b"\xef\xbb\xbf" + b'{"model_type": "glm_moe_dsa"}')
+    assert reach.resolve(str(tmp_path)) == ("glm_moe_dsa", {"model_type": "glm_moe_dsa"})
+
+
+@pytest.mark.parametrize(
+    ("make", "line"),
+    [
+        (lambda: table_text(row(ctx="4096;" * 40000)), "line 2: field larger than field limit"),
+        (lambda: "\x00" * 4096, "line 1: missing column(s) gfx"),
+        (lambda: "# c\n\n" + "\x00" * 64 + "\n", "line 3: missing column(s) gfx"),
+        (
+            lambda: table_text(row().replace(",flydsl,", ',"flydsl,'), *[row(batch=b) for b in range(2, 80)]),
+            "line 2 (a quoted field runs to line 80), ",
+        ),
+        (lambda: table_text(row(), row(batch=2), row(batch="x")), "line 4, column batch_size"),
+        (
+            lambda: HEADER + "\n" + row() + "\n" + row(batch=2).replace("gfx950", "gfx\udcff950") + "\n",
+            "line 3: not UTF-8",
+        ),
+    ],
+    ids=["huge-field", "nul-file", "nul-after-comments", "unclosed-quote", "bad-cell", "not-utf8"],
+)
+def test_every_table_error_names_the_line_it_starts_on(tmp_path, make, line):
+    path = tmp_path / "t.csv"
+    path.write_bytes(make().encode("utf-8", "surrogateescape"))
+    with pytest.raises(tuning.TableError) as refused:
+        tuning.read(str(path), "gfx950")
+    assert str(refused.value).startswith(f"{path}: {line}"), str(refused.value)

@@ -115,7 +115,7 @@ def _register(logger: logging.Logger) -> None:
 
             source = tuning.env_source(decision.variant.name)
             table = tuning.load_source(source, tuning.arch_of(decision.gcn_arch or ""), logger)
-            decision.table = tuning.in_use(source, table is not None)
+            decision.table = tuning.in_use(source, table)
         self_test = envs.read_self_test()
         if self_test.error:
             decision.warnings.append(self_test.error)

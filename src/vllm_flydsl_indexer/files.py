@@ -29,6 +29,7 @@ from typing import IO
 
 __all__ = [
     "MAX_READ_BYTES",
+    "OUTPUT_RULE",
     "FileRefused",
     "kind_problem",
     "outputs_problem",
@@ -59,7 +60,8 @@ def _kind(mode: int) -> str:
 
 
 def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
-    """The UTF-8 text of the regular file ``path`` (symlinks followed), at most ``limit`` bytes.
+    """The UTF-8 text of the regular file ``path`` (symlinks followed; a BOM dropped), at most ``limit``
+    bytes.
 
     Raises :class:`FileRefused` for anything else, before reading a byte; ``OSError`` and
     ``UnicodeDecodeError`` as reading does.
@@ -77,20 +79,43 @@ def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise FileRefused(f"{path} is larger than {limit} bytes; nothing read")
-    return data.decode("utf-8")
+    return data.decode("utf-8-sig")  # a byte-order mark, as spreadsheet programs write, is not text
+
+
+# What every output accepts, as --help says it.
+OUTPUT_RULE = (
+    "each output is a regular file or a new one, replaced atomically; a symlink is written through to its "
+    "target (a new file if there is none yet) and stays a link; refused before any work: a device, FIFO or "
+    "directory, this command's own stdout or stderr (redirect the report, not an output, there), two "
+    "outputs that are one file"
+)
+
+
+def _standard_streams() -> list[tuple[str, os.stat_result]]:
+    out = []
+    for fd, name in ((1, "standard output"), (2, "standard error")):
+        try:
+            out.append((name, os.fstat(fd)))
+        except OSError:
+            continue
+    return out
 
 
 def kind_problem(path: str) -> str | None:
-    """Why ``path`` cannot be written (an existing non-regular file, through any links), or ``None``."""
+    """Why ``path`` cannot be written (an existing non-regular file, through any links, or this
+    process's own stdout or stderr), or ``None``."""
     try:
-        mode = os.stat(path).st_mode
+        info = os.stat(path)
     except FileNotFoundError:
-        return None  # a new file (or a link to one)
+        return None  # a new file, or a link to one (written through: the link stays)
     except OSError as e:
         return f"{path}: {e.strerror or e}"
-    if stat.S_ISREG(mode):
+    for name, stream in _standard_streams():
+        if (info.st_dev, info.st_ino) == (stream.st_dev, stream.st_ino):
+            return f"{path} is this command's {name}; give an output its own file"
+    if stat.S_ISREG(info.st_mode):
         return None
-    return f"{path} is {_kind(mode)}, not a regular file; give a file path"
+    return f"{path} is {_kind(info.st_mode)}, not a regular file; give a file path"
 
 
 def outputs_problem(outputs: Iterable[tuple[str, str]]) -> str | None:

@@ -9,13 +9,14 @@ has a FlyDSL kernel but no dispatcher, this module gives the plugin the same
 choice, and the same launch, from the same kind of file:
 
 * **Where from** (:func:`table_source`), first found: ``$VLLM_FLYDSL_INDEXER_TUNED_CSV``
-  if set (``none`` turns every table off: FlyDSL wherever eligible, the A/B of
-  the kernel alone); else the table the installed aiter ships
+  if set (trimmed; ``none``, ``off``, ``0`` or ``false`` turn every table off: FlyDSL wherever
+  eligible, the A/B of the kernel alone); else the table the installed aiter ships
   (``aiter/configs/paged_mqa_logits_tuned.csv``); else the **built-in** table,
   for the kernel it was measured on only (:data:`BUILTIN`: aiter's published
   table, AMD's MI355X measurements of the ``gfx950`` kernel); else none. The
-  first found replaces the others: tables are never merged. Read once per
-  process, when the plugin registers.
+  first usable one replaces the others: tables are never merged. A file that
+  cannot be used (below) falls to the next source, with one WARNING naming
+  both (:func:`resolve`). Read once per process, when the plugin registers.
 * **Lookup, as aiter's:** the rows of this GPU (``gfx`` and ``cu_num``) and
   this shape (``next_n``, ``heads``, ``head_dim``, ``kv_block_size``,
   ``preshuffle``); of those, the largest tuned ``batch_size`` at or below the
@@ -34,8 +35,8 @@ choice, and the same launch, from the same kind of file:
   keeps its meaning, FlyDSL where eligible, with the kernel's default launch.
 * **Bad file:** one validator (:func:`check_row`) for every column of every
   row, whatever its gfx: unreadable, a missing column or a bad value anywhere
-  gives one WARNING naming the file, line and column, and the table is ignored
-  as a whole, never read in part. No row for this GPU's arch likewise. Rows of
+  gives one WARNING naming the file, line and column, and the next source in use;
+  the table is ignored as a whole, never read in part. No row for this GPU's arch likewise. Rows of
   the right arch but another CU count are dropped by the router with one
   WARNING at the first call on the device.
 
@@ -65,6 +66,7 @@ __all__ = [
     "COLUMNS",
     "KEY_COLUMNS",
     "OFF",
+    "OFF_VALUES",
     "Pick",
     "TableError",
     "TunedRow",
@@ -75,8 +77,10 @@ __all__ = [
     "load",
     "read",
     "read_rows",
+    "read_table",
     "pick_for",
     "in_use",
+    "resolve",
     "table_source",
     "where",
 ]
@@ -117,8 +121,9 @@ CONTEXT_LEN_SEPARATOR = ";"
 COMMENT = "#"
 # Where an aiter without the dispatcher may still ship its measured table.
 AITER_TABLE = ("aiter", "configs/paged_mqa_logits_tuned.csv")
-# $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (case-insensitive): no table at all.
+# $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (or another of OFF_VALUES; trimmed, case-insensitive): no table at all.
 OFF = "none"
+OFF_VALUES = (OFF, "off", "0", "false")
 
 
 @dataclass(frozen=True)
@@ -154,6 +159,8 @@ class TableSource:
     path: str | None
     origin: str  # "env", "aiter", "built-in", "off" (none asked for) or "none" (no measurement)
     label: str  # a few words for the ACTIVE line and doctor
+    # The next source in the precedence, used when this one's file cannot be (None: no table at all).
+    fallback: TableSource | None = None
 
     @property
     def name(self) -> str | None:
@@ -245,7 +252,11 @@ def _cell(row: dict[str, str | None], column: str) -> str:
 
 
 def check_row(row: dict[str, str | None]) -> TunedRow:
-    """Validate every column of one CSV row; raises ``ValueError("column ...: why")``."""
+    """Validate every column of one CSV row; raises ``ValueError("column ...: why")``.
+
+    The one rule of what a row is, for the plugin, doctor and ``bench --tune`` alike: a row that no
+    call can match (``preshuffle`` other than ``kv_block_size > 1``) is refused, not kept unreachable.
+    """
 
     def cell(column: str) -> str:
         try:
@@ -270,6 +281,12 @@ def check_row(row: dict[str, str | None]) -> TunedRow:
         raise ValueError("column gfx: is empty")
     sizes = [checked(c, lambda t: _int(t, 1)) for c in SIZE_COLUMNS]
     preshuffle = checked("preshuffle", _bool)
+    kvb = sizes[SIZE_COLUMNS.index("kv_block_size")]
+    if preshuffle != (kvb > 1):  # the lookup reads preshuffle off the call's KVBlockSize: no call matches
+        raise ValueError(
+            f"column preshuffle: {cell('preshuffle')!r} with kv_block_size {kvb}: no call can match this row "
+            f"(vLLM's calls are preshuffled exactly when KVBlockSize > 1, so {int(kvb > 1)} here)"
+        )
     checked("context_len", _context_lens)
     backend = checked("backend", _backend)
     knobs = {c: checked(c, lambda t: _int(t, 0)) for c in KNOB_COLUMNS}
@@ -297,41 +314,76 @@ def _backend(text: str) -> str:
     return backend
 
 
-def _uncommented(lines: Iterable[str]) -> Iterator[str]:
-    """aiter's reader skips ``#`` lines; a blank line keeps csv's line numbers right."""
-    for line in lines:
-        yield "\n" if line.lstrip().startswith(COMMENT) else line
+class NotATable(TableError):
+    """The file's header lacks aiter's columns: not an aiter-format tuned CSV at all."""
 
 
-def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
-    """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one."""
-    reader = csv.DictReader(_uncommented(lines))
+@dataclass
+class ParsedTable:
+    """An aiter-format CSV as read: its header, validated rows, and ``#`` lines with their places."""
+
+    header: list[str]
+    rows: list[TunedRow]
+    # (data rows before it, the line as read); -1: before the header.
+    comments: list[tuple[int, str]] = field(default_factory=list)
+
+
+def read_table(lines: Iterable[str], source: str) -> ParsedTable:
+    """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one.
+
+    One reader for the plugin, doctor and ``bench --tune``: ``#`` lines are skipped (and kept, with
+    their places, for writing the table back), a UTF-8 byte-order mark is dropped, and an error names
+    the line its record starts on (a quoted field may run over several).
+    """
+    comments: list[tuple[int, str]] = []
     header: list[str] = []
-    try:
-        while not header:  # comment (blank) lines may come before the header, as in the built-in table
-            header = next(reader.reader)
-    except StopIteration:
-        pass
-    except csv.Error as e:
-        raise TableError(f"{source}: line {reader.line_num}: {e}") from None
-    reader.fieldnames = header
-    fieldnames = header
-    missing = [c for c in COLUMNS if c not in (fieldnames or ())]
-    if missing:
-        raise TableError(f"{source}: missing column(s) {', '.join(missing)}")
-    rows = []
+    rows: list[TunedRow] = []
+
+    def uncommented() -> Iterator[str]:
+        for i, line in enumerate(lines):
+            if i == 0:
+                line = line.removeprefix("\ufeff")
+            if line.lstrip().startswith(COMMENT):
+                comments.append((len(rows) if header else -1, line.rstrip("\r\n")))
+                yield "\n"
+            else:
+                yield line
+
+    reader = csv.reader(uncommented())
     while True:
+        first = reader.line_num + 1
         try:
-            row = next(reader)
+            cells = next(reader)
         except StopIteration:
             break
         except csv.Error as e:
-            raise TableError(f"{source}: line {reader.line_num}: {e}") from None
+            raise TableError(f"{source}: line {first}: {e}") from None
+        if not cells:  # a blank or comment line
+            continue
+        where = f"line {first}" + (
+            f" (a quoted field runs to line {reader.line_num})" if reader.line_num > first else ""
+        )
+        if not header:
+            header = cells
+            missing = [c for c in COLUMNS if c not in header]
+            if missing:
+                raise NotATable(f"{source}: {where}: missing column(s) {', '.join(missing)}")
+            continue
+        row: dict[str | None, object] = dict(zip(header, cells, strict=False))
+        if len(cells) > len(header):
+            row[None] = cells[len(header) :]
         try:
-            rows.append(check_row(row))
+            rows.append(check_row(row))  # type: ignore[arg-type]
         except ValueError as e:
-            raise TableError(f"{source}: line {reader.line_num}, {e}") from None
-    return rows
+            raise TableError(f"{source}: {where}, {e}") from None
+    if not header:
+        raise NotATable(f"{source}: missing column(s) {', '.join(COLUMNS)} (no header)")
+    return ParsedTable(header, rows, comments)
+
+
+def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
+    """Every row of an aiter-format CSV, validated (:func:`read_table`)."""
+    return read_table(lines, source).rows
 
 
 @dataclass
@@ -342,6 +394,7 @@ class TunedTable:
     gfx: str
     rows: int
     origin: str = "env"  # a TableSource origin
+    label: str = ""  # the TableSource label it was loaded from (what the ACTIVE line names)
     shapes: dict[ShapeKey, dict[int, list[tuple[str, int]]]] = field(default_factory=dict)
     _picks: dict[tuple, Pick | None] = field(default_factory=dict, repr=False, compare=False)
 
@@ -396,7 +449,7 @@ class TunedTable:
         if total == 0:
             raise TableError(f"{source}: no rows")
         if table.rows == 0:
-            raise TableError(f"{source}: no rows for {gfx} (of {total})")
+            raise TableError(f"{source}: valid, {total} row{'s' if total != 1 else ''}; none for {gfx}")
         return table
 
 
@@ -415,6 +468,10 @@ def read(source: str, gfx: str) -> TunedTable:
         return parse(io.StringIO(files.read_text(source), newline=""), source, gfx)
     except TableError:
         raise
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        byte = e.object[e.start]
+        raise TableError(f"{source}: line {line}: not UTF-8 ({e.reason}, byte {byte:#04x})") from None
     except Exception as e:  # noqa: BLE001 - a table file must never crash startup or doctor
         raise TableError(f"{source}: {type(e).__name__}: {e}") from None
 
@@ -438,35 +495,73 @@ def _aiter_table() -> str | None:
 
 def table_source(env_value: str | None, variant: str | None) -> TableSource:
     """The table for the found kernel ``variant``: the variable's, aiter's shipped one, the built-in one
-    (only for the variant it was measured on), or none. The first found replaces the rest."""
+    (only for the variant it was measured on), or none. The first found replaces the rest; each source
+    names the next (:attr:`TableSource.fallback`), used only when its own file cannot be.
+
+    The variable's value is trimmed; one of :data:`OFF_VALUES` (any case) turns tables off; any other
+    non-empty value names a file.
+    """
     value = (env_value or "").strip()
-    if value.lower() == OFF:
-        return TableSource(None, "off", f"no tuned table ({envs.TUNED_CSV}={OFF}): FlyDSL wherever eligible")
-    if value:
-        return TableSource(env_value, "env", f"tuned table {env_value} ({envs.TUNED_CSV})")
-    shipped = _aiter_table()
-    if shipped is not None:
-        return TableSource(shipped, "aiter", f"tuned table {shipped} (shipped with aiter)")
-    if variant == BUILTIN.variant:
-        return TableSource(BUILTIN.path(), "built-in", BUILTIN.label)
-    return TableSource(
+    if value.lower() in OFF_VALUES:
+        return TableSource(
+            None, "off", f"no tuned table ({envs.TUNED_CSV}={value.lower()}): FlyDSL wherever eligible"
+        )
+    chain = TableSource(
         None,
         "none",
         f"no measurement for the {variant or 'found'} FlyDSL kernel: FlyDSL wherever eligible "
         "(vllm-flydsl-indexer bench --tune measures this node)",
     )
+    if variant == BUILTIN.variant:
+        chain = TableSource(BUILTIN.path(), "built-in", BUILTIN.label, chain)
+    shipped = _aiter_table()
+    if shipped is not None:
+        chain = TableSource(shipped, "aiter", f"tuned table {shipped} (shipped with aiter)", chain)
+    if value:
+        chain = TableSource(value, "env", f"tuned table {value} ({envs.TUNED_CSV})", chain)
+    return chain
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """Which source decides after the unusable ones fell through: the source, its table, the skipped."""
+
+    used: TableSource  # the source in use (path None: no table)
+    table: TunedTable | None
+    ignored: tuple[tuple[TableSource, str], ...]  # each unusable source before it, and why
+
+
+def resolve(source: TableSource, gfx: str) -> Resolution:
+    """Read ``source`` for ``gfx``; a file that cannot be used falls to the next source. Never raises."""
+    ignored: list[tuple[TableSource, str]] = []
+    current: TableSource | None = source
+    while current is not None and current.path is not None:
+        try:
+            table = read(current.path, gfx)
+        except TableError as e:
+            ignored.append((current, str(e)))
+            current = current.fallback
+            continue
+        table.origin, table.label = current.origin, current.label
+        table.source = current.name or table.source
+        return Resolution(current, table, tuple(ignored))
+    return Resolution(current or source, None, tuple(ignored))
+
+
+def ignored_text(resolution: Resolution) -> list[str]:
+    """One text per source that could not be used: why, and the source used instead."""
+    used = resolution.used
+    then = f"using the {used.label} instead" if used.path is not None else f"no other table: {used.label}"
+    return [f"{why}; {then}" for _, why in resolution.ignored]
 
 
 def load_source(source: TableSource, gfx: str, logger: logging.Logger) -> TunedTable | None:
-    """Read ``source`` for ``gfx``: ``None`` for no table, or after one WARNING when it cannot be used.
-
-    The built-in table is named by its label, not its path. Never raises.
-    """
-    table = load(source.path, gfx, logger)
-    if table is not None:
-        table.origin = source.origin
-        table.source = source.name or table.source
-    return table
+    """Read ``source`` for ``gfx`` (:func:`resolve`): ``None`` for no table. A source that cannot be used
+    gets one WARNING naming its file and the source used instead. Never raises."""
+    resolution = resolve(source, gfx)
+    for text in ignored_text(resolution):
+        logger.warning("%s %s", TABLE_IGNORED_LINE, text)
+    return resolution.table
 
 
 def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | None:
@@ -480,11 +575,17 @@ def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | N
         return None
 
 
-def in_use(source: TableSource, loaded: bool) -> str:
-    """What the ACTIVE line says decides per shape: the source's label, or that its table was ignored."""
-    if source.path is not None and not loaded:
-        return f"{source.label} ignored, FlyDSL wherever eligible"
-    return source.label
+def in_use(source: TableSource, loaded: TunedTable | bool | None) -> str:
+    """What the ACTIVE line says decides per shape: the label of the table loaded (``loaded``, the
+    table :func:`load_source` returned), or, when none could be, the last source's."""
+    if isinstance(loaded, TunedTable) and loaded.label:
+        return loaded.label
+    if source.path is None or loaded:
+        return source.label
+    last = source
+    while last.fallback is not None:
+        last = last.fallback
+    return f"{source.label} ignored, {last.label}"
 
 
 def env_source(variant: str | None) -> TableSource:
@@ -499,7 +600,9 @@ def describe(table: TunedTable) -> list[dict[str, object]]:
         entries = []
         for batch in sorted(buckets):
             pick = table.choice(cus, batch, next_n, heads, head_dim, block_size)
-            assert pick is not None
+            if pick is None or pick.bucket != batch:  # unreachable for a table check_row passed
+                entries.append({"batch_at_least": batch, "arm": "stock", "why": "no call matches"})
+                continue
             entry: dict[str, object] = {
                 "batch_at_least": batch,
                 "arm": "flydsl" if pick.backend == "flydsl" and pick.conflict is None else "stock",

@@ -42,6 +42,7 @@ from vllm_flydsl_indexer.tools.cases import INDEXER
 from vllm_flydsl_indexer.tools.harness import Timer, device_of, quiet_logger, write_or_print
 from vllm_flydsl_indexer.tools.interrupt import (
     EXIT_INTERRUPTED,
+    Stopped,
     StopSignal,
     interrupted_note,
     write_atomic_bytes,
@@ -214,14 +215,15 @@ def stock_reason(arms: Arms, problem: PagedProblem) -> str:
 
 
 def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:
-    """Every shape in turn; with ``stop``, a requested stop ends the run before the next shape."""
+    """Every shape in turn; with ``stop``, a requested stop ends the run at the next timed call (the shape
+    under way is dropped)."""
     device = device_of(args)
     arms = detect_arms(device, force_reference=args.reference)
     default_repeats, default_sets = settings.BENCH_TIMING["cuda" if device.type == "cuda" else "cpu"]
     repeats = args.repeats or default_repeats
     n_sets = args.input_sets or default_sets
     copy_bw = copy_bandwidth_gbps(device)
-    timer = Timer(device)
+    timer = Timer(device, stop)
     results: list[ArmResult] = []
     shapes = shapes_from(args, device)
     wanted = set(args.arms.split(",")) if args.arms else None
@@ -239,44 +241,58 @@ def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:
                 progress.stopped = True
                 break
             progress.step(shape.label)
-            completed += 1
-            skipped = shape.skipped(args.pool_blocks)
-            if skipped:
-                results.append(ArmResult(asdict(shape), "*", False, skipped))
-                continue
-            gen = torch.Generator().manual_seed(args.seed + idx)
-            problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
-            p0 = problems[0]
-            out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
-            out.fill_(float("nan"))
-            baseline = p0.reference_logits(out, "gluon").clone()
-            nbytes, flops = traffic(p0)
-            kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
-            for name, (real, fn) in arm_callables(arms, paths).items():
-                if wanted and name not in wanted:
+            before = len(results)
+            try:
+                completed += 1
+                skipped = shape.skipped(args.pool_blocks)
+                if skipped:
+                    results.append(ArmResult(asdict(shape), "*", False, skipped))
                     continue
-                r = ArmResult(
-                    asdict(shape), name, real, "timed", kv_mb=kv_mb, gbytes=nbytes / 1e9, gflops=flops / 1e9
-                )
-                taken = paths.router.calls_taken
-                problem_ = gate(fn, baseline, p0, paths, real)
-                if name.startswith("patched-call"):
-                    # The router's own verdict on this shape: did its one gated call take FlyDSL?
-                    took = paths.router.calls_taken > taken
-                    r.extra["router"] = "FlyDSL" if took else f"stock: {stock_reason(arms, p0)}"
-                if problem_ is not None:
-                    r.status = f"FAILED-GATE: {problem_}"
+                gen = torch.Generator().manual_seed(args.seed + idx)
+                problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
+                p0 = problems[0]
+                out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
+                out.fill_(float("nan"))
+                baseline = p0.reference_logits(out, "gluon").clone()
+                nbytes, flops = traffic(p0)
+                kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
+                for name, (real, fn) in arm_callables(arms, paths).items():
+                    if wanted and name not in wanted:
+                        continue
+                    r = ArmResult(
+                        asdict(shape),
+                        name,
+                        real,
+                        "timed",
+                        kv_mb=kv_mb,
+                        gbytes=nbytes / 1e9,
+                        gflops=flops / 1e9,
+                    )
+                    taken = paths.router.calls_taken
+                    problem_ = gate(fn, baseline, p0, paths, real)
+                    if name.startswith("patched-call"):
+                        # The router's own verdict on this shape: did its one gated call take FlyDSL?
+                        took = paths.router.calls_taken > taken
+                        r.extra["router"] = "FlyDSL" if took else f"stock: {stock_reason(arms, p0)}"
+                    if problem_ is not None:
+                        r.status = f"FAILED-GATE: {problem_}"
+                        results.append(r)
+                        continue
+                    samples = timer.time_us(
+                        lambda i, fn=fn, ps=problems: fn(ps[i % n_sets]), args.warmup, repeats
+                    )
+                    r.median_us, r.min_us, r.max_us = statistics.median(samples), min(samples), max(samples)
+                    r.achieved_gbps = nbytes / (r.median_us * 1e-6) / 1e9
+                    if copy_bw:
+                        r.copy_bw_fraction = r.achieved_gbps / copy_bw
                     results.append(r)
-                    continue
-                samples = timer.time_us(
-                    lambda i, fn=fn, ps=problems: fn(ps[i % n_sets]), args.warmup, repeats
-                )
-                r.median_us, r.min_us, r.max_us = statistics.median(samples), min(samples), max(samples)
-                r.achieved_gbps = nbytes / (r.median_us * 1e-6) / 1e9
-                if copy_bw:
-                    r.copy_bw_fraction = r.achieved_gbps / copy_bw
-                results.append(r)
-            _speedups([r for r in results if r.shape == asdict(shape)])
+                _speedups([r for r in results if r.shape == asdict(shape)])
+            except Stopped:  # between two timed calls: this shape is dropped, the run ends
+                del results[before:]
+                completed -= 1
+                progress.drop()
+                break
+
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "arms": arms.label,
@@ -401,7 +417,7 @@ def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str]
         out = io.StringIO()
         columns = [f.name for f in fields(Shape)]
         columns += [f.name for f in fields(ArmResult) if f.name not in ("shape", "extra")]
-        writer = csv.DictWriter(out, fieldnames=columns)
+        writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(flat)
         texts["CSV", args.csv_path] = out.getvalue()
@@ -451,7 +467,7 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
 
 def main(args) -> int:
     """``bench`` without ``--tune`` (the CLI sends ``--tune`` to ``tune.main``)."""
-    with StopSignal("shape") as stop:
+    with StopSignal("shape", per_call=True) as stop:
         results, meta = run(args, stop)
         print(render(results, meta))
         written, unwritten = write_outputs(results, meta, args)

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_flydsl_indexer import envs
 from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.identification import KernelLookup, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter, describe_configuration
@@ -315,7 +316,18 @@ def render(
             lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
     if note:
         lines.append(note)
-    if paths.router.self_tests:
+    flag = envs.read_self_test()
+    if flag.error:  # as doctor and register() say it
+        lines += ["", f"warning: {flag.error}"]
+    if not flag.enabled:  # said, never a section dropped without a word
+        lines += [
+            "",
+            SELF_TEST_SECTION,
+            f"  off ({envs.SELFTEST}={(flag.raw or '').strip()}): the patched router ran without it, "
+            "as serving "
+            f"would; unset {envs.SELFTEST} to check it too",
+        ]
+    elif paths.router.self_tests:
         lines += ["", SELF_TEST_SECTION]
         for key, problem in paths.router.self_tests.items():
             said = "passed" if problem is None else f"FAILED ({problem}): this configuration stays stock"

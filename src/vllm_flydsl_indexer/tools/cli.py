@@ -11,8 +11,9 @@ import argparse
 import os
 import sys
 
+from vllm_flydsl_indexer import files
 from vllm_flydsl_indexer.tools import cli_args, settings
-from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow
+from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow, terminate_as_interrupt
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -38,9 +39,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     cli_args.add_check_arguments(
-        sub.add_parser("check", help="prove the stock and FlyDSL arms agree on this machine")
+        sub.add_parser(
+            "check",
+            help="prove the stock and FlyDSL arms agree on this machine",
+            description=f"Prove the stock and FlyDSL arms agree on this machine. {settings.STOP_CHECK}",
+        )
     )
-    cli_args.add_bench_arguments(sub.add_parser("bench", help="A/B benchmark of the decode logits"))
+    cli_args.add_bench_arguments(
+        sub.add_parser(
+            "bench",
+            help="A/B benchmark of the decode logits",
+            description=f"A/B benchmark of the decode logits. Outputs: {files.OUTPUT_RULE}. "
+            f"{settings.STOP_BENCH}",
+        )
+    )
     return parser
 
 
@@ -51,8 +63,9 @@ EXIT_BROKEN_PIPE = 141
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        status = _run(args)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
+        with terminate_as_interrupt():  # SIGTERM outside a tool's own handlers: 130, as SIGINT
+            status = _run(args)
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         return status
     except BrokenPipeError:
         # The reader went away (``check | head -2``): stop quietly, as Unix tools do. stdout now

@@ -53,7 +53,7 @@ from vllm_flydsl_indexer.tools.settings import (
 )
 
 if TYPE_CHECKING:
-    from vllm_flydsl_indexer.tuning import TunedRow
+    from vllm_flydsl_indexer.tuning import ParsedTable
 
 __all__ = [
     "OUTPUTS",
@@ -516,28 +516,40 @@ def tune_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def tune_file(path: str) -> tuple[list[TunedRow], str | None]:
-    """The rows already in ``--tune path`` (none for a new or empty file), and why it cannot be
-    merged into (it is not aiter's format or has a row ``tuning.check_row`` refuses), or ``None``."""
+def tune_file(path: str) -> tuple[ParsedTable | None, str | None]:
+    """The table already in ``--tune path`` (``None`` for a new or empty file), and why it cannot be
+    merged into (it is not aiter's format or has a row ``tuning.check_row`` refuses), or ``None``.
+
+    Read as the plugin reads a table (``tuning.read_table``): ``#`` lines, a byte-order mark, CRLF."""
     from vllm_flydsl_indexer import tuning
 
-    if not os.path.lexists(path):
-        return [], None  # a new table
+    if not os.path.exists(path):
+        return None, None  # a new table (or a symlink to one: written through, as every output)
     try:
         text = files.read_text(path)
-        if not text:
-            return [], None  # an empty file: a new table
-        if tuple(next(csv.reader(io.StringIO(text, newline="")), ())) != tuning.COLUMNS:
-            return [], (
-                f"argument --tune: {path} is not an aiter-format tuned CSV (header "
-                f"{','.join(tuning.COLUMNS)}); not overwriting it: "
-                "give a new, empty or earlier --tune file"
-            )
-        return tuning.read_rows(io.StringIO(text, newline=""), path), None
+        if not any(
+            line.strip() and not line.lstrip().startswith(tuning.COMMENT) for line in text.splitlines()
+        ):
+            return tuning.read_table([*text.splitlines(keepends=True), ",".join(tuning.COLUMNS)], path), None
+        table = tuning.read_table(io.StringIO(text, newline=""), path)
+        if tuple(table.header) != tuning.COLUMNS:
+            raise tuning.NotATable(f"{path}: header {','.join(table.header)}")
+        return table, None
+    except tuning.NotATable as e:
+        return None, (
+            f"argument --tune: {path} is not an aiter-format tuned CSV ({e}; expected the header "
+            f"{','.join(tuning.COLUMNS)}); not overwriting it: give a new, empty or earlier --tune file"
+        )
     except tuning.TableError as e:
-        return [], f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)"
-    except (OSError, UnicodeError, csv.Error, ValueError) as e:
-        return [], f"argument --tune: cannot read {path} ({e}); not overwriting it"
+        return (
+            None,
+            f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)",
+        )
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        return None, f"argument --tune: {path}: line {line}: not UTF-8 ({e.reason}); not overwriting it"
+    except (OSError, csv.Error, ValueError) as e:
+        return None, f"argument --tune: cannot read {path} ({e}); not overwriting it"
 
 
 OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))

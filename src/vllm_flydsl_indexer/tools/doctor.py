@@ -117,19 +117,22 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
         }
     env = os.environ if environ is None else environ
     chosen = tuning.table_source(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
-    if chosen.path is None:
-        return {"source": None, "origin": chosen.origin, "note": chosen.label, "in_use": chosen.label}
-    source = chosen.name
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
-    try:
-        table = tuning.read(chosen.path, gfx)  # the plugin's own reader: it raises only TableError
-    except tuning.TableError as e:
+    resolution = tuning.resolve(chosen, gfx)  # the plugin's own reader and fallback: it never raises
+    ignored = [
+        {"source": source.name, "origin": source.origin, "note": f"IGNORED: {text}"}
+        for (source, _), text in zip(resolution.ignored, tuning.ignored_text(resolution), strict=True)
+    ]
+    table = resolution.table
+    if table is None:
+        used = resolution.used
+        first = ignored[0] if ignored else {"source": used.name, "origin": used.origin, "note": used.label}
         return {
-            "source": source,
-            "origin": chosen.origin,
-            "note": f"IGNORED: {e}",
-            "in_use": tuning.in_use(chosen, loaded=False),
+            **first,
+            "in_use": tuning.in_use(chosen, None),
+            "ignored": ignored,
         }
+    chosen = resolution.used
     shapes = tuning.describe(table)
     for shape in shapes:
         for bucket in shape["buckets"]:
@@ -149,7 +152,7 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
             "FlyDSL wherever eligible"
         )
     return {
-        "source": source,
+        "source": chosen.name,
         "origin": chosen.origin,
         "label": chosen.label,
         "gfx": gfx,
@@ -158,7 +161,8 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
         "applies": applies,
         "shapes": shapes,
         "note": "in use",
-        "in_use": tuning.in_use(chosen, loaded=True),
+        "in_use": tuning.in_use(chosen, table),
+        "ignored": ignored,
     }
 
 
@@ -214,6 +218,8 @@ def ray_non_carry_over_report(environ: dict[str, str] | None = None) -> dict[str
         names = set(json.loads(files.read_text(path)))  # a FIFO or device here is a note, never a hang
     except FileNotFoundError:
         return data | {"note": f"no {path}: Ray workers get the plugin's variables"}
+    except RecursionError:
+        return data | {"note": f"cannot read {path} (RecursionError: JSON nested too deeply)"}
     except (OSError, ValueError, TypeError) as e:
         return data | {"note": f"cannot read {path} ({type(e).__name__}: {e})"}
     listed = [name for name in envs.ALL_VARIABLES if name in names]
@@ -369,11 +375,13 @@ def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
 def render_table(table: dict[str, Any]) -> list[str]:
     """The tuned table's lines: its source, whether it applies here, and per shape the batch sizes
     that go to FlyDSL (``B>=64: flydsl (wg_per_cu=3)``: from batch 64 up to the next bucket)."""
+    ignored = [f"tuned table: {i['source']}: {i['note']}" for i in table.get("ignored", ())]
     if table["source"] is None:
-        return [f"tuned table: {table['note']}"]
+        return [*ignored, f"tuned table: {table['note']}"]
     if "rows" not in table:
-        return [f"tuned table: {table['source']}: {table['note']}"]
+        return ignored or [f"tuned table: {table['source']}: {table['note']}"]
     out = [
+        *ignored,
         f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; uncovered shapes: FlyDSL)",
         f"             {table['applies']}",
     ]

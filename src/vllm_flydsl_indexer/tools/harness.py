@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from vllm_flydsl_indexer.tools.interrupt import write_atomic
+from vllm_flydsl_indexer.tools.interrupt import StopSignal, write_atomic
 
 __all__ = ["Timer", "device_of", "quiet_logger", "write_or_print"]
 
@@ -38,14 +38,21 @@ def quiet_logger() -> logging.Logger:
 class Timer:
     """Device time per call (CUDA/HIP events around each call), else host wall time, in microseconds."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, stop: StopSignal | None = None):
         self.cuda = device.type == "cuda"
+        self.stop = stop  # checked before every call: a requested stop waits for one call, not the repeats
+
+    def _check(self) -> None:
+        if self.stop is not None:
+            self.stop.check()
 
     def time_us(self, fn: Callable[[int], object], warmup: int, repeats: int) -> list[float]:
         for i in range(warmup):
+            self._check()
             fn(i)
         samples = []
         for i in range(repeats):
+            self._check()
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()

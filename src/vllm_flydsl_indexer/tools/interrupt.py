@@ -1,10 +1,15 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Ctrl-C and SIGTERM for the long-running tools: keep what was measured.
+"""Ctrl-C and SIGTERM for the long-running tools: keep what was measured, stop in bounded time.
 
-The first SIGINT or SIGTERM asks for a stop: the tool finishes the shape (or
-case) it is on, then writes and prints what finished and exits
-:data:`EXIT_INTERRUPTED`. A second one raises :class:`StopNow` at once; the
-CLI turns that into one line and the same exit status, never a traceback.
+The first SIGINT or SIGTERM asks for a stop. ``check`` finishes the case it is
+on (a few calls); ``bench`` and ``bench --tune`` stop at the next timed call
+(:meth:`StopSignal.check` raises :class:`Stopped` between calls, so the bound is
+one call, not a shape's repeats) and drop the shape under way. Then they write
+and print what finished and exit :data:`EXIT_INTERRUPTED`. A second one raises
+:class:`StopNow` at once; the CLI turns that into one line and the same exit
+status, never a traceback. Outside a tool's own handlers (before, or after its
+graceful stop finished) a SIGTERM is a :class:`StopNow` too
+(:func:`terminate_as_interrupt`): one outcome, one exit status, 130.
 Output files are replaced atomically (``files.write_atomic``), so an interrupted
 write leaves the old file, never half of a new one.
 
@@ -13,9 +18,11 @@ Tools wing only: the plugin never imports this module.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 from typing import IO, Any
 
@@ -26,7 +33,9 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "StopNow",
     "StopSignal",
+    "Stopped",
     "interrupted_note",
+    "terminate_as_interrupt",
     "write_atomic",
     "write_atomic_bytes",
 ]
@@ -39,6 +48,28 @@ class StopNow(BaseException):
     """A second signal: stop at once. A BaseException, so no ``except Exception`` swallows it."""
 
 
+class Stopped(Exception):
+    """A requested stop, reached between two timed calls: the shape under way is dropped."""
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises :class:`StopNow` while the command runs (main thread only), as SIGINT raises
+    ``KeyboardInterrupt``: the CLI exits 130 for either, never 143 for one and 130 for the other."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop_now(signum: int, frame: FrameType | None) -> None:
+        raise StopNow(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stop_now)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class StopSignal:
     """``with StopSignal() as stop:`` then ``if stop.requested: break`` between shapes.
 
@@ -48,9 +79,10 @@ class StopSignal:
     the second raises :class:`StopNow`.
     """
 
-    def __init__(self, unit: str = "shape", stream: IO[str] | None = None) -> None:
+    def __init__(self, unit: str = "shape", stream: IO[str] | None = None, per_call: bool = False) -> None:
         self.unit = unit
         self.stream = stream
+        self.per_call = per_call  # the loop calls check() between calls: the unit under way is dropped
         self.requested = False
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
@@ -75,8 +107,18 @@ class StopSignal:
         stream = self.stream or sys.stderr
         # On a terminal the progress bar holds the cursor mid-line.
         lead = "\n" if getattr(stream, "isatty", lambda: False)() else ""
-        stream.write(f"{lead}{PROG}: {name}: stopping after the current {self.unit} (again to stop now)\n")
+        when = (
+            f"stopping after the current call; the {self.unit} under way is dropped"
+            if self.per_call
+            else f"stopping after the current {self.unit}"
+        )
+        stream.write(f"{lead}{PROG}: {name}: {when} (again to stop now)\n")
         stream.flush()
+
+    def check(self) -> None:
+        """Raise :class:`Stopped` once a stop was requested (call it between timed calls)."""
+        if self.requested:
+            raise Stopped(self.signal_name)
 
 
 def interrupted_note(done: int, total: int) -> str:

@@ -62,6 +62,11 @@ class Progress:
         self.stream.flush()
         self.done += 1
 
+    def drop(self) -> None:
+        """The step under way was stopped, not finished: the last line counts it out."""
+        self.done = max(self.done - 1, 0)
+        self.stopped = True
+
     def close(self, interrupted: bool = False) -> None:
         """Mark the run as stopped early (``interrupted``); ``__exit__`` writes the last line."""
         self.stopped = self.stopped or interrupted

@@ -208,10 +208,23 @@ def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
     if not arg.strip():  # Path("") is the current directory: never read it by accident
         raise ModelError(f"--model {arg}: is empty; expected {accepted()}")
     path = Path(arg)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except (OSError, ValueError) as e:  # a name too long for a path, a parent that cannot be entered
+        if arg not in MODELS and arg not in SHAPE_MODEL_TYPES:
+            why = getattr(e, "strerror", None) or e
+            raise ModelError(
+                f"--model {arg}: cannot be looked up as a path ({why}); expected {accepted()}"
+            ) from None
+        is_dir = False
+    if is_dir:
         config_file = path / "config.json"
         try:
             config = json.loads(files.read_text(str(config_file)))
+        except RecursionError:
+            raise ModelError(
+                f"--model {arg}: {config_file} is JSON nested too deeply to read; expected {accepted()}"
+            ) from None
         except (OSError, ValueError) as e:
             raise ModelError(
                 f"--model {arg}: no readable config.json ({type(e).__name__}: {e}); expected {accepted()}"
@@ -227,17 +240,15 @@ def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
 
 
 def _vllm_file(module: str) -> Path | None:
+    """The source file of vLLM's ``module`` (found without importing it), or ``None``; never raises."""
     try:
         spec = importlib.util.find_spec("vllm")
-    except (ImportError, ValueError):  # no vLLM, or one without a spec
+        if spec is None or not spec.origin:
+            return None
+        path = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
+        return next((c for c in (path.with_suffix(".py"), path / "__init__.py") if c.is_file()), None)
+    except Exception:  # noqa: BLE001 - no vLLM, one without a spec, a finder that raises, an unreadable tree
         return None
-    if spec is None or not spec.origin:
-        return None
-    path = Path(spec.origin).parent.joinpath(*module.split(".")[1:])
-    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
-        if candidate.is_file():
-            return candidate
-    return None
 
 
 def mxfp4_default_models() -> frozenset[str] | None:
@@ -261,6 +272,28 @@ def mxfp4_default_models() -> frozenset[str] | None:
         if isinstance(node, ast.Compare) and "model_type" in ast.unparse(node.left):
             found |= {c.value for c in node.comparators if isinstance(c, ast.Constant)}
     return frozenset(found)
+
+
+def vllm_import_problem() -> str | None:
+    """Why ``import vllm`` fails here (``ImportError: ...``, or anything it raises), or ``None``.
+
+    ``None`` too where no vLLM is installed: :func:`assess` tells that case apart by ``_vllm_file``.
+    """
+    if _vllm_file("vllm") is None:
+        return None
+    try:
+        importlib.import_module("vllm")
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - a broken vLLM is doctor's answer, not its crash
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _probe(what: str, fn, *args) -> tuple[Any, str | None]:
+    """``(fn(*args), None)``, or ``(None, "what: why")`` whatever ``fn`` raises: doctor never raises."""
+    try:
+        return fn(*args), None
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - doctor reports, never crashes
+        return None, f"{what} unknown ({type(e).__name__}: {e})"
 
 
 def _backend(path: str) -> type:
@@ -299,10 +332,23 @@ def c4a_objection(compress_ratio: int, block_size: int) -> str | None:
 
 
 def shape_of(config: dict[str, Any] | None, model: ModelReach) -> tuple[int, int, str]:
-    """``(heads, head_dim, where from)``: config.json's fields when both are given, else the table's."""
-    if config is not None and config.get("index_n_heads") and config.get("index_head_dim"):
-        return int(config["index_n_heads"]), int(config["index_head_dim"]), "config.json"
-    return model.heads, model.head_dim, "this package's model table"
+    """``(heads, head_dim, where from)``: each field config.json gives, the package's model table for
+    the other; the third item says which part came from where."""
+    given = {name: config.get(name) for name in SHAPE_FIELDS} if config is not None else {}
+    heads = given.get("index_n_heads") or model.heads
+    head_dim = given.get("index_head_dim") or model.head_dim
+    read = [name for name in SHAPE_FIELDS if given.get(name)]
+    if len(read) == len(SHAPE_FIELDS):
+        return int(heads), int(head_dim), "config.json"
+    if not read:
+        return model.heads, model.head_dim, "this package's model table"
+    (field_read,) = read
+    (other,) = [name for name in SHAPE_FIELDS if name != field_read]
+    return (
+        int(heads),
+        int(head_dim),
+        f"{field_read} from config.json, {other} from this package's model table",
+    )
 
 
 def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -> dict[str, Any]:
@@ -312,12 +358,18 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
 
     model = MODELS[model_type]
     reasons: list[str] = []
-    has_vllm = _vllm_file("vllm") is not None
-    # Without a vLLM: this package's pinned answers, and one line saying which parts they are.
+    broken = vllm_import_problem()
+    has_vllm = _vllm_file("vllm") is not None and broken is None
+    # Without a (working) vLLM: this package's pinned answers, and one line saying which parts they are.
     not_read = (
         [] if has_vllm else ["the MXFP4 default", "the KV cache layout", "the C4A route", "the call site"]
     )
-    mxfp4 = mxfp4_default_models() if has_vllm else PINNED_MXFP4_MODELS
+    unknown: list[str] = []  # probes of a working vLLM that raised: each said, none fatal
+    if has_vllm:
+        mxfp4, problem = _probe("the MXFP4 default", mxfp4_default_models)
+        unknown += [problem] if problem else []
+    else:
+        mxfp4 = PINNED_MXFP4_MODELS
     pinned = "" if has_vllm else f", pinned for {PINNED_RELEASES}"
     if mxfp4 is not None and model_type in mxfp4:
         path = (
@@ -328,15 +380,18 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
         path = "unknown (vLLM's platforms/rocm.py unreadable)"
     else:
         path = f"FP8 (indexer_kv_dtype 'auto' resolves to fp8{pinned})"
-    try:
-        layout, contiguous = resolved_layout(model.backends) if has_vllm else (model.layout, True)
-    except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
-        layout, contiguous = f"unknown ({type(e).__name__}: {e})", True
-    if not has_vllm:
-        contiguous = layout == LAYER_CONTIGUOUS
+    layout, contiguous = model.layout, model.layout == LAYER_CONTIGUOUS
+    if has_vllm:
+        resolved, problem = _probe("the KV cache layout", resolved_layout, model.backends)
+        if resolved is None:
+            layout, contiguous = f"unknown ({problem})", True
+            unknown.append(str(problem))
+        else:
+            layout, contiguous = resolved
     backends = ", ".join(b.split(":")[1] for b in model.backends)
     for ratio in model.compress_ratios if has_vllm else ():
-        c4a = c4a_objection(ratio, max(model.block_sizes))
+        c4a, problem = _probe("the C4A route", c4a_objection, ratio, max(model.block_sizes))
+        unknown += [problem] if problem else []
         if c4a is not None:
             reasons.append(c4a)
     if not contiguous:
@@ -392,6 +447,8 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
         "reason": reasons[0] if reasons else None,
         "reasons": reasons,
         "not_read_from_vllm": not_read,
+        "vllm_import_error": broken,
+        "unknown": unknown,
     }
 
 
@@ -415,9 +472,13 @@ def render(data: dict[str, Any]) -> list[str]:
         f"  verdict:        {verdict}" + (f": {data['reason']}" if data["reason"] else ""),
     ]
     out += [f"  then:           {r}" for r in data["reasons"][1:]]
+    out += [f"  not read:       {u}" for u in data.get("unknown", ())]
     if data["not_read_from_vllm"]:
-        out.append(
-            f"  no vLLM here:   {', '.join(data['not_read_from_vllm'])} could not be read from a vLLM; "
-            f"this package's answers for {PINNED_RELEASES} are shown"
-        )
+        parts = ", ".join(data["not_read_from_vllm"])
+        if data.get("vllm_import_error"):
+            head = f"  vLLM broken:    import vllm raises {data['vllm_import_error']}, so {parts}"
+        else:
+            head = f"  no vLLM here:   {parts}"
+        answers = f"this package's answers for {PINNED_RELEASES} are shown"
+        out.append(f"{head} could not be read from a vLLM; {answers}")
     return out

@@ -17,6 +17,8 @@ from vllm_flydsl_indexer.tools.models import HEADS
 
 __all__ = [
     "BENCH_ARMS",
+    "STOP_BENCH",
+    "STOP_CHECK",
     "BENCH_CPU_GRID",
     "BENCH_GPU_GRID",
     "BENCH_TIMING",
@@ -149,3 +151,14 @@ def shape_fits(
     if batch * next_n * max(context_len, row_width) * LOGIT_BYTES >= I32_LIMIT:
         return "logits buffer >= 2 GiB"
     return None
+
+
+# What a SIGINT or SIGTERM does, as --help says it (tools/interrupt.py).
+STOP_CHECK = (
+    "A SIGINT or SIGTERM stops after the current case (a few calls) and reports the cases that ran; "
+    "a second stops at once; exit 130 either way."
+)
+STOP_BENCH = (
+    "A SIGINT or SIGTERM stops at the next timed call (within one call, whatever --repeats), drops the "
+    "shape under way and writes what finished; a second stops at once; exit 130 either way."
+)

@@ -27,8 +27,9 @@ Rows are merged into an existing file, which must pass :func:`tuning.check_row`
 on every row (a malformed file is refused before any work and left untouched):
 a row of the same GPU and lookup key (:data:`tuning.KEY_COLUMNS`) is replaced,
 every other row is kept as it was. The file is written atomically. A SIGINT or
-SIGTERM stops after the shape being measured: the finished rows are merged and
-written, the JSON says ``interrupted``, and the exit status is 130.
+SIGTERM stops at the next timed call, dropping the shape being measured: the
+finished rows are merged and written, the JSON says ``interrupted``, and the
+exit status is 130.
 
 Only a gfx950 GPU with both of aiter's kernels gives kernel timings. With
 ``--reference`` the same mechanics run on the pure-torch reference contracts
@@ -59,7 +60,7 @@ from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools import cli_args, settings
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.harness import Timer, device_of, write_or_print
-from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopSignal, interrupted_note
+from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, Stopped, StopSignal, interrupted_note
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, per_sequence_lens
 
 __all__ = [
@@ -107,8 +108,10 @@ def tuned_variant(arms: Arms) -> KernelVariant:
     )
 
 
-def _time(fn, problems, warmup: int, repeats: int, device: torch.device) -> float:
-    samples = Timer(device).time_us(lambda i: fn(problems[i % len(problems)]), warmup, repeats)
+def _time(
+    fn, problems, warmup: int, repeats: int, device: torch.device, stop: StopSignal | None = None
+) -> float:
+    samples = Timer(device, stop).time_us(lambda i: fn(problems[i % len(problems)]), warmup, repeats)
     return statistics.median(samples)
 
 
@@ -159,7 +162,8 @@ def tune_rows(
     stop: StopSignal | None = None,
     sweep: Sweep | None = None,
 ) -> list[dict[str, object]]:
-    """One measured row per shape and batch; stops before the next shape once ``stop`` is requested."""
+    """One measured row per shape and batch; once ``stop`` is requested, stops at the next timed call and
+    drops the shape under way."""
     pick = settings.grid(args, device.type)
     cus = cu_count(device)
     variant = tuned_variant(arms)
@@ -219,7 +223,13 @@ def tune_rows(
                         f"tune: {name} failed the agreement rule at {label} ctx{ctx}: {agreement.describe()}"
                     )
                 knobs[name] = (backend, wg)
-                times.setdefault(name, []).append(_time(run, problems, args.warmup, repeats, device))
+                try:
+                    times.setdefault(name, []).append(
+                        _time(run, problems, args.warmup, repeats, device, stop)
+                    )
+                except Stopped:  # between two timed calls: this shape is dropped, the sweep ends
+                    sweep.interrupted = True
+                    return rows
         scores = {name: _geomean(t) for name, t in times.items() if len(t) == len(contexts)}
         best = {}
         for name, us in scores.items():
@@ -272,16 +282,16 @@ def tune_rows(
     return rows
 
 
-def existing_rows(path: str) -> list[tuning.TunedRow]:
-    """The rows already in ``path`` (none if absent or empty), every one validated.
+def existing_rows(path: str) -> tuning.ParsedTable | None:
+    """The table already in ``path`` (``None`` if absent or empty), every row validated.
 
     Refuses (exit 2, one line) a file that is not aiter's format or has any
     malformed row, as the parser did before the run (:func:`cli_args.tune_file`).
     """
-    rows, problem = cli_args.tune_file(path)
+    table, problem = cli_args.tune_file(path)
     if problem is not None:
         settings.fail(f"{settings.PROG} bench", problem)
-    return rows
+    return table
 
 
 def _row_id(row: dict[str, object]) -> tuple:
@@ -290,19 +300,33 @@ def _row_id(row: dict[str, object]) -> tuple:
     return (checked.gfx, checked.key)
 
 
-def table_text(earlier: list[tuning.TunedRow], rows: list[dict[str, object]]) -> tuple[str, int]:
-    """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest are kept as read."""
+def table_text(
+    earlier: tuning.ParsedTable | list[tuning.TunedRow] | None, rows: list[dict[str, object]]
+) -> tuple[str, int]:
+    """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest, and every
+    ``#`` line, are kept as read and in place; new rows at the end. LF line endings, as aiter's table."""
     import csv
 
+    if not isinstance(earlier, tuning.ParsedTable):
+        earlier = tuning.ParsedTable(list(tuning.COLUMNS), list(earlier or ()))
     rows = list({_row_id(r): r for r in rows}.values())  # one row per key: the last measured
     new_ids = {_row_id(r) for r in rows}
-    kept = [r.text for r in earlier if (r.gfx, r.key) not in new_ids]
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS))
+    writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS), lineterminator="\n")
+    comments: dict[int, list[str]] = {}
+    for place, line in earlier.comments:
+        comments.setdefault(place, []).append(line)
+    out.writelines(f"{line}\n" for line in comments.get(-1, ()))
     writer.writeheader()
-    writer.writerows(kept)
+    kept = 0
+    for i, r in enumerate(earlier.rows):
+        out.writelines(f"{line}\n" for line in comments.get(i, ()))
+        if (r.gfx, r.key) not in new_ids:
+            writer.writerow(r.text)
+            kept += 1
+    out.writelines(f"{line}\n" for line in comments.get(len(earlier.rows), ()))
     writer.writerows(rows)
-    return out.getvalue(), len(kept)
+    return out.getvalue(), kept
 
 
 def main(args) -> int:
@@ -317,7 +341,7 @@ def main(args) -> int:
     else:
         gfx = REFERENCE_GFX
     sweep = Sweep()
-    with StopSignal() as stop:
+    with StopSignal(per_call=True) as stop:
         rows = tune_rows(args, arms, device, gfx, stop, sweep)
     what = "kernel timings" if arms.real else "REFERENCE timings, not kernel timings (gfx=reference)"
     text, kept = table_text(earlier, rows)
