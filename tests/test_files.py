@@ -485,3 +485,32 @@ def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them():
     ends = [*starts[1:], None]
     column = {c: "".join(line[starts[c] : ends[c]].strip() for line in lines[2:]) for c in range(1, 9)}
     assert all(column[c] == "".join(r[c] for r in rows[1:]) for c in range(1, 9))
+
+
+def test_two_outputs_that_are_hard_links_of_one_file_are_refused(tmp_path, no_work, monkeypatch, capsys):
+    """Two names of one inode are one file, whatever their paths say (issue 37)."""
+    no_gpu(monkeypatch)
+    first = tmp_path / "a.json"
+    first.write_text("{}\n")
+    os.link(first, tmp_path / "b.csv")
+    line = rejected(["bench", "--json", str(first), "--csv", str(tmp_path / "b.csv")], capsys)
+    assert line.startswith("vllm-flydsl-indexer bench: error: argument --csv: "), line
+    assert "writes too; give each output its own file" in line
+    assert first.read_text() == "{}\n" and no_work == []
+
+
+def test_a_huge_file_is_refused_with_bounded_memory(tmp_path):
+    """A 1 GiB (sparse) file is refused after reading at most the cap plus one byte (issue 37)."""
+    import tracemalloc
+
+    huge = tmp_path / "huge.csv"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 30)
+    tracemalloc.start()
+    try:
+        with pytest.raises(files.FileRefused, match="larger than"):
+            files.read_text(str(huge))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak <= 2 * files.MAX_READ_BYTES, peak
