@@ -29,12 +29,11 @@ pytestmark = [
 
 LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
 B, MML, KVB = 8, 4096, 64
-POOL = B * MML // KVB + 16
 
 
-def problem(seed: int, next_n: int = 2, heads: int = 64):
+def problem(seed: int, next_n: int = 2, heads: int = 64, batch: int = B):
     gen = torch.Generator().manual_seed(seed)
-    lens = torch.randint(next_n, MML + 1, (B,), generator=gen)
+    lens = torch.randint(next_n, MML + 1, (batch,), generator=gen)
     lens[0] = MML  # fixed shapes for replay
     lens[1] = 0  # a padding row
     return make_paged_problem(
@@ -45,7 +44,7 @@ def problem(seed: int, next_n: int = 2, heads: int = 64):
         block_size=KVB,
         preshuffle=True,
         max_model_len=MML,
-        pool_blocks=POOL,
+        pool_blocks=batch * MML // KVB + 16,
         block_table_width=MML // KVB,
         generator=gen,
         device="cuda",
@@ -332,7 +331,9 @@ def test_each_variant_runs_without_sync_and_captures(name, aiter_as):
     """
     ws = Workspace(B * 2, MML, torch.device("cuda"))
     router, heads = variant_router(name, ws, aiter_as)
-    static = problem(20, heads=heads)
+    # The dispatcher's double, like AMD's table, picks FlyDSL from batch 64 only (Gluon below: stock).
+    batch = 64 if name == "dispatcher" else B
+    static = problem(20, heads=heads, batch=batch)
     static_args = (*args_of(static), None, MML)
     router(*static_args)  # eager: compile
     torch.cuda.synchronize()
@@ -347,13 +348,13 @@ def test_each_variant_runs_without_sync_and_captures(name, aiter_as):
     with torch.cuda.graph(graph):
         out = router(*static_args)
     for seed in (21, 22):
-        fresh = problem(seed, heads=heads)
+        fresh = problem(seed, heads=heads, batch=batch)
         for dst, src in zip(args_of(static), args_of(fresh), strict=True):
             dst.copy_(src)
         ws.buffer.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        want = torch.full((B * 2, MML), float("nan"), device="cuda")
+        want = torch.full((batch * 2, MML), float("nan"), device="cuda")
         fp8_paged_mqa_logits_reference(
             fresh.q_fp8,
             fresh.kv_cache,
@@ -365,7 +366,7 @@ def test_each_variant_runs_without_sync_and_captures(name, aiter_as):
             preshuffle=True,
             contract="flydsl",
         )
-        result = compare_in_windows(want, out, read_window_ends(fresh.context_lens, B * 2, 2), topk=256)
+        result = compare_in_windows(want, out, read_window_ends(fresh.context_lens, batch * 2, 2), topk=256)
         assert result.nan_free and result.ok(0), result.describe()
 
 
@@ -376,7 +377,7 @@ def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
 
     import aiter
 
-    from vllm_flydsl_indexer import kernels, tuning
+    from vllm_flydsl_indexer import kernels, selftest, tuning
 
     ws = Workspace(B * 2, MML, torch.device("cuda"))
     router, heads = variant_router("gfx950", ws, aiter_as)
@@ -399,8 +400,10 @@ def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
         out = router(*static_args)
     expected_split = kernels.explicit_split_kv(cus, B, MML, KVB, 2)
     assert expected_split != kernels.explicit_split_kv(cus, B, MML, KVB)  # the knob, not the default
-    # The self-test's launch (first call, eager), then three calls: every one with the row's knob.
-    assert [kw["SplitKV"] for name, kw in aiter.CALLS] == [expected_split] * 4
+    # The shape's self-test (first call, eager: SplitKV 1 and the largest any launch of the shape
+    # reaches, clamped to the self-test problem's pages), then three calls, each with the row's knob.
+    top = min(selftest.width(KVB, 2)[1], kernels.explicit_split_kv(cus, 1, MML, KVB, 4))
+    assert [kw["SplitKV"] for name, kw in aiter.CALLS] == [1, top] + [expected_split] * 3
     assert router.calls_taken == 3 and router.calls_delegated == 0
     fresh = problem(31, heads=heads)
     for dst, src in zip(args_of(static), args_of(fresh), strict=True):
