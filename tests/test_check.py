@@ -200,7 +200,7 @@ MUTATIONS = {
     "Preshuffle equality ignored": ("if told != layout:", "if False:", "Preshuffle differs from stock's"),
     "memo key without DCP": ("        dcp_world_size,\n", "", "memo: DCP 2 after DCP 1, same shapes"),
     "memo key without the cache's contiguity": (
-        "        kv.is_contiguous(),\n",
+        "                kv_cache_fp8.is_contiguous(),\n",
         "",
         "memo: strided cache after contiguous, same shapes",
     ),

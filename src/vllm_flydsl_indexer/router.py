@@ -11,10 +11,11 @@ host sync and is the same during CUDA/HIP graph capture as outside it.
 **The route.** The router applies :data:`vllm_flydsl_indexer.rules.RULES` in
 order (each returns ``None`` or a short reason; the first reason is what the
 log says, once) and memoises the verdict on the call's signature: q's, the
-cache's and the bounds' shapes, ``max_model_len``, ``compress_ratio`` and the
-caller. A stock verdict is reused as it is (stock is always a right answer);
-a FlyDSL verdict is launched only while the call's other facts (dtypes,
-contiguity, the other shapes, the device) are the ones it was decided on.
+cache's and the bounds' shapes, the cache's contiguity (the layout: one per
+model), ``max_model_len``, ``compress_ratio`` and the caller. A stock verdict
+is reused as it is (stock is always a right answer); a FlyDSL verdict is
+launched only while the call's other facts (:func:`call_facts`) are the ones
+it was decided on.
 
 **The guards**, after the rules, from the router's own history: no first-time
 compile or self-test inside graph capture; a shape proves itself before it is
@@ -96,7 +97,8 @@ def _is_capturing() -> bool:
 
 
 def call_facts(args: tuple, dcp_world_size: int) -> tuple:
-    """What the rules read besides the memo key: dtypes, contiguity, other shapes, device, DCP size."""
+    """What the rules read besides the memo key: dtypes, q's and the weights' contiguity, the other
+    shapes, the device and the DCP size."""
     q, kv, weights, lens, tables = args[:5]
     return (
         dcp_world_size,
@@ -108,7 +110,6 @@ def call_facts(args: tuple, dcp_world_size: int) -> tuple:
         tables.dtype,
         tables.shape,
         q.is_contiguous(),
-        kv.is_contiguous(),
         weights.is_contiguous(),
         q.device,
     )
@@ -228,7 +229,15 @@ class FlyDSLRouter:
         """Route one call made from module ``caller`` (``None``: unknown)."""
         key = route = None
         try:
-            key = (q_fp8.shape, kv_cache_fp8.shape, context_lens.shape, max_model_len, compress_ratio, caller)
+            key = (
+                q_fp8.shape,
+                kv_cache_fp8.shape,
+                kv_cache_fp8.is_contiguous(),
+                context_lens.shape,
+                max_model_len,
+                compress_ratio,
+                caller,
+            )
             route = self._routes.get(key)
             # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
             if route is None or route.reason is None:
