@@ -135,13 +135,13 @@ MUTATIONS = {
         "heads=24 (no kernel takes it)",
     ),
     "memo key without compress_ratio": (
-        "context_lens.shape, max_model_len, compress_ratio, caller)",
-        "context_lens.shape, max_model_len, caller)",
+        "                max_model_len,\n                compress_ratio,\n",
+        "                max_model_len,\n",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
     "memo key without the caller": (
-        "max_model_len, compress_ratio, caller)",
-        "max_model_len, compress_ratio)",
+        "                compress_ratio,\n                caller,\n",
+        "                compress_ratio,\n",
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     "kpool caller trusted with next_n > 1": (
