@@ -241,8 +241,9 @@ class FlyDSLRouter:
             route = self._routes.get(key)
             # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
             if route is None or route.reason is None:
-                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata)
-                out = self._flydsl_or_none(key, route, (*args, max_model_len), compress_ratio, caller)
+                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables)
+                args += (schedule_metadata, max_model_len)
+                out = self._flydsl_or_none(key, route, args, compress_ratio, caller)
                 if out is not None:
                     return out
         except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
