@@ -511,9 +511,22 @@ def test_the_indexer_op_breaks_breakable_graphs_and_runs_eagerly():
 
     breakable = pytest.importorskip("vllm.compilation.breakable_cudagraph")
     module = importlib.import_module(TARGET_MODULE)
+    (indexer,) = (
+        node
+        for node in ast.parse(Path(module.__file__).read_text()).body
+        if isinstance(node, ast.FunctionDef) and node.name == "rocm_aiter_sparse_attn_indexer"
+    )
+    assert [ast.unparse(d) for d in indexer.decorator_list][:1] == ["eager_break_during_capture"]
+    assert TARGET_NAME in ast.unparse(indexer)
     op = module.rocm_aiter_sparse_attn_indexer
-    assert op.__code__ is breakable.eager_break_during_capture(lambda: None).__code__
-    assert TARGET_NAME in inspect.getsource(op.__wrapped__)
+    if op.__code__.co_name == "rocm_aiter_sparse_attn_indexer":
+        # vLLM 0.32.0 reads VLLM_USE_BREAKABLE_CUDAGRAPH when the module is imported (off here: no wrapper).
+        decorator = inspect.getsource(breakable.eager_break_during_capture)
+        assert not breakable.is_breakable_cudagraph_enabled()
+        assert "if not is_breakable_cudagraph_enabled():" in decorator
+    else:
+        # 0.33.0 and 0.34.0 wrap always, and decide at each call.
+        assert op.__code__ is breakable.eager_break_during_capture(lambda: None).__code__
     body = [
         type(node.value).__name__ + ":" + ast.unparse(node)
         for node in ast.parse(

@@ -480,8 +480,10 @@ def test_breakable_graphs_run_the_router_eagerly_at_every_replay(make_router, ta
     eagerly, and runs again at every replay. The router then runs on every step; its first use
     (compile and self-test) happens once, outside any capture."""
     breakable = pytest.importorskip("vllm.compilation.breakable_cudagraph")
-    # CPU stand-ins: no CUDA graph segments, and a weak reference is the tensor itself.
+    # CPU stand-ins: no CUDA graph segments, and a weak reference is the tensor itself. Breakable graphs
+    # on (vLLM 0.32.0's decorator reads the setting when it decorates; later ones at each call).
     monkeypatch.setattr(breakable, "_weak_ref_capture_arg", lambda arg: arg)
+    monkeypatch.setattr(breakable, "is_breakable_cudagraph_enabled", lambda: True)
 
     class StandIn(breakable.BreakableCUDAGraphCapture):
         def _begin_segment(self) -> None:
