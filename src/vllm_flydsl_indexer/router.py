@@ -265,8 +265,8 @@ class FlyDSLRouter:
     ) -> torch.Tensor | None:
         """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's."""
         if route is None:
-            route = self._memoise(key, args, compress_ratio, caller)
-        if route.reason is None:
+            route = self._memoise(key, args, compress_ratio, caller)  # decided on this call's facts
+        elif route.reason is None:
             facts = call_facts(args, self.hooks.dcp_world_size())
             if facts != route.facts:
                 key = (key, facts)
