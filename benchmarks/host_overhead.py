@@ -119,7 +119,7 @@ def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
 
     import vllm_flydsl_indexer
     from vllm_flydsl_indexer import patch
-    from vllm_flydsl_indexer.callers import call_site_in
+    from vllm_flydsl_indexer.tools.paths import call_site_in
 
     init_workspace_manager(torch.device("cpu"))
     vllm_flydsl_indexer.register()
@@ -154,8 +154,8 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     """The four arms without vLLM: the stock copy and the router over it (the GPU if present)."""
     import torch
 
-    from vllm_flydsl_indexer.callers import DEFINING_MODULE
     from vllm_flydsl_indexer.router import FlyDSLRouter
+    from vllm_flydsl_indexer.target import DEFINING_MODULE
     from vllm_flydsl_indexer.tools.arms import Workspace, mirror_hooks, reference_arms, stock_call
     from vllm_flydsl_indexer.tools.arms import reference_variant as contract_variant
     from vllm_flydsl_indexer.tools.reference import GENERAL

@@ -76,7 +76,7 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
         )
         return out
 
-    from vllm_flydsl_indexer.stock import StockHooks
+    from vllm_flydsl_indexer.target import StockHooks
 
     hooks = StockHooks(
         preshuffle=lambda bs: bs > 1,

@@ -73,7 +73,7 @@ def routed_arm(row: dict[str, str]) -> str:
     import torch
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as target
 
-    from vllm_flydsl_indexer.callers import call_site_in
+    from vllm_flydsl_indexer.tools.paths import call_site_in
     from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
     batch, next_n = int(row["batch_size"]), int(row["next_n"])

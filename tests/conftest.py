@@ -23,9 +23,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer.identification import identify
+from vllm_flydsl_indexer.kernels import identify
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import StockHooks
+from vllm_flydsl_indexer.target import StockHooks
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 TESTS = Path(__file__).resolve().parent
@@ -196,7 +196,7 @@ def plugin_log():
     """Records the plugin's log lines (vLLM's logger does not propagate to root)."""
     import logging
 
-    from vllm_flydsl_indexer._logging import LOGGER_NAME, _seen
+    from vllm_flydsl_indexer.envs import LOGGER_NAME, _seen
 
     records: list[logging.LogRecord] = []
 

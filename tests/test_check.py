@@ -16,17 +16,7 @@ from pathlib import Path
 import pytest
 
 import vllm_flydsl_indexer
-from vllm_flydsl_indexer import (
-    agreement,
-    callers,
-    envs,
-    identification,
-    kernels,
-    router,
-    rules,
-    stock,
-    tuning,
-)
+from vllm_flydsl_indexer import envs, kernels, router, selftest, tuning
 from vllm_flydsl_indexer import target as target_module
 from vllm_flydsl_indexer.tools import check, settings
 from vllm_flydsl_indexer.tools import cli as cli_mod
@@ -151,8 +141,8 @@ MUTATIONS = {
     ),
     # The router-behaviour cases (tools/behaviour.py): each builds its own router.
     "tuned table ignored": (
-        "def table_rule(call: Call, router: RouterView) -> str | None:\n",
-        "def table_rule(call: Call, router: RouterView) -> str | None:\n    return None\n",
+        "def table_rule(call: Call, router: FlyDSLRouter) -> str | None:\n",
+        "def table_rule(call: Call, router: FlyDSLRouter) -> str | None:\n    return None\n",
         "tuned table",
     ),
     "canary skipped": (
@@ -210,8 +200,8 @@ MUTATIONS = {
         "tuned table",
     ),
     "tuned SplitKV knob ignored by the launch": (
-        "cus, batch, max_model_len, block_size, wg_per_cu or self.split_kv_workgroups_per_cu",
-        "cus, batch, max_model_len, block_size, self.split_kv_workgroups_per_cu",
+        "wg = wg_per_cu or self.split_kv_workgroups_per_cu",
+        "wg = self.split_kv_workgroups_per_cu",
         "tuned table",
     ),
     "a tuned row's backend read inverted": (
@@ -220,8 +210,8 @@ MUTATIONS = {
         "built-in table (AMD's MI355X rows)",
     ),
     "another gfx's table rows read": (
-        "            if row.gfx != gfx:\n                continue\n",
-        "",
+        "            if row.gfx == gfx:\n",
+        "            if True:\n",
         "tuned table",
     ),
     "agreement: -inf mask comparison always true": (
@@ -266,7 +256,7 @@ MUTATIONS = {
         "bounds and callers",
     ),
 }
-RULE_MODULES = (router, rules, target_module, callers, kernels, stock, tuning, agreement)
+RULE_MODULES = (router, target_module, kernels, tuning, selftest)
 
 
 def plant(monkeypatch, old: str, new: str) -> int:
@@ -380,7 +370,7 @@ def test_check_applies_the_found_variants_contract(
     from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
-    variant = identification.find_kernel().variant
+    variant = kernels.find_kernel().variant
     assert variant is not None and variant.name == ("dispatcher" if dispatcher else flydsl)
     found = arms_module.Arms(
         False, f"doubles ({variant.name})", "", gluon_contract_reference, variant.fn, variant

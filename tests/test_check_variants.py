@@ -9,8 +9,9 @@ import logging
 import pytest
 import torch
 
-from vllm_flydsl_indexer import identification, tuning
-from vllm_flydsl_indexer.agreement import compare_in_windows
+from vllm_flydsl_indexer import kernels as identification
+from vllm_flydsl_indexer import tuning
+from vllm_flydsl_indexer.selftest import compare_in_windows
 from vllm_flydsl_indexer.tools import behaviour
 from vllm_flydsl_indexer.tools.arms import (
     Workspace,

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_flydsl_indexer import content, envs, gates, patch
+from vllm_flydsl_indexer import envs, gates, patch
+from vllm_flydsl_indexer import target as content
 from vllm_flydsl_indexer.target import MARKER, TARGET_NAME
 
 STOCK = "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: "
@@ -58,7 +59,7 @@ def register_stock(target, monkeypatch, fresh_register, plugin_log) -> str:
 
 
 def test_the_installed_target_passes_and_its_hooks_hold_vllms_objects(target):
-    from vllm_flydsl_indexer.stock import vllm_stock_hooks
+    from vllm_flydsl_indexer.target import vllm_stock_hooks
 
     assert content.audit(target.rocm_fp8_paged_mqa_logits) in {
         a.preshuffle for a in content.RELEASES.values()
@@ -186,7 +187,7 @@ def test_vllms_aiter_question_gone_stays_stock(target, monkeypatch, fresh_regist
 
 def test_the_layout_helper_is_required_only_where_preshuffle_asks_it(target, monkeypatch, tmp_path):
     """0.34.0's Preshuffle reads indexer_k_cache_is_shuffled and _ON_RDNA; 0.32/0.33's reads neither."""
-    from vllm_flydsl_indexer.stock import vllm_stock_hooks
+    from vllm_flydsl_indexer.target import vllm_stock_hooks
 
     source = Path(target.__file__).read_text()
     by_layout = content.PRESHUFFLE_BY_LAYOUT.replace("(not _ON_RDNA)", "not _ON_RDNA")
@@ -210,7 +211,7 @@ def test_the_hooks_read_no_vllm_module_attribute_per_call(target, workspace, mon
     """Resolved at install: renaming a helper afterwards does not reach a call."""
     import torch
 
-    from vllm_flydsl_indexer.stock import vllm_stock_hooks
+    from vllm_flydsl_indexer.target import vllm_stock_hooks
 
     hooks = vllm_stock_hooks(target)
     for name in (

@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
 from vllm_flydsl_indexer.tools.reference import (
     flydsl_contract_reference,
@@ -310,7 +310,7 @@ def variant_router(name: str, ws: Workspace, aiter_as):
     """The router over one kernel API's double (tests/doubles/aiter_flydsl), called as the indexer does."""
     import importlib
 
-    from vllm_flydsl_indexer import identification
+    from vllm_flydsl_indexer import kernels as identification
 
     module_name, heads = VARIANT_DOUBLES[name]
     aiter_as(flydsl="gfx950" if name == "gfx950" else "general", dispatcher=name == "dispatcher")

@@ -105,7 +105,7 @@ def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
     The audited expressions are written once, in :mod:`vllm_flydsl_indexer.content`; this pins which
     release has which form, reading the release's own source.
     """
-    from vllm_flydsl_indexer import content
+    from vllm_flydsl_indexer import target as content
 
     fn = function(module_source(TARGET_MODULE), TARGET_NAME)
     calls = [
@@ -144,7 +144,8 @@ def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
 
 def test_every_release_in_the_window_has_an_audited_entry():
     """The start-up check knows every minor release the version gate lets through, and only those."""
-    from vllm_flydsl_indexer import content, gates
+    from vllm_flydsl_indexer import gates
+    from vllm_flydsl_indexer import target as content
 
     (low_major, low), (high_major, high) = gates.SUPPORTED_VLLM
     assert low_major == high_major
@@ -278,7 +279,7 @@ def test_every_call_site_is_in_the_audit_with_the_recorded_arguments():
 
     At runtime such a caller is already safe (next_n == 1 only); this makes it loud.
     """
-    from vllm_flydsl_indexer.callers import CALL_SITES
+    from vllm_flydsl_indexer.target import CALL_SITES
 
     sites = _enclosing_calls()
     assert sites, "no call site of the target found"
@@ -488,7 +489,7 @@ def test_deepseek_v4_defaults_to_the_mxfp4_indexer_on_cdna4():
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_hooks_preshuffle_is_what_stock_passes_gluon(target, monkeypatch, block_size):
     """The router launches FlyDSL with the layout vLLM's own Gluon call is told, release by release."""
-    from vllm_flydsl_indexer.stock import vllm_stock_hooks
+    from vllm_flydsl_indexer.target import vllm_stock_hooks
 
     # The hooks resolve vLLM's names when they are built (at install): each change is made first.
     hooks = vllm_stock_hooks(target)

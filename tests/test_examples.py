@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 import pytest
 import tomllib
 
-from vllm_flydsl_indexer import _logging, envs
+from vllm_flydsl_indexer import envs
+from vllm_flydsl_indexer import envs as _logging
 
 if TYPE_CHECKING:
     from lm_eval.config.evaluate_config import EvaluatorConfig

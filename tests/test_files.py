@@ -19,7 +19,7 @@ from conftest import simulation_env
 from test_cli import CLI, PACKAGE_ROOT, cli, no_gpu, no_vllm_env, rejected
 from test_reach import FIRST_REASON, VLLM
 from vllm_flydsl_indexer import envs, files, tuning
-from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
+from vllm_flydsl_indexer.envs import TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.tools import reach, tune
 
 ONE_ROW = {

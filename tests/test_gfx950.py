@@ -71,8 +71,8 @@ load_general_plugins()
 import vllm.v1.attention.ops.rocm_aiter_mla_sparse as t
 from vllm.v1.worker.workspace import init_workspace_manager, current_workspace_manager
 from vllm_flydsl_indexer import patch
-from vllm_flydsl_indexer.callers import call_site_in
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.tools.paths import call_site_in
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.tools.models import eligible_configs
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 

@@ -18,10 +18,12 @@ import torch
 from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from test_kernel_variants import SYNC_OPS, SyncAudit
-from vllm_flydsl_indexer import envs, identification, kernels, patch, selftest
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
+from vllm_flydsl_indexer import envs, kernels, patch, selftest
+from vllm_flydsl_indexer import kernels as identification
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.target import DEFINING_MODULE
 from vllm_flydsl_indexer.tools.models import HEADS, eligible_configs
+from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 EARLY_MODULE = "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early"

@@ -24,12 +24,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_agreement import poison_workspace
-from vllm_flydsl_indexer import envs, identification, kernels, patch
+from vllm_flydsl_indexer import envs, kernels, patch
+from vllm_flydsl_indexer import kernels as identification
 from vllm_flydsl_indexer import router as router_module
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
 from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.target import DEFINING_MODULE
 from vllm_flydsl_indexer.tools.models import eligible_configs
+from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")

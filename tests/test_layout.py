@@ -15,7 +15,7 @@ import torch
 
 from conftest import Recorder, as_args, base_problem, router_for
 from vllm_flydsl_indexer import envs, kernels
-from vllm_flydsl_indexer.callers import DEFINING_MODULE
+from vllm_flydsl_indexer.target import DEFINING_MODULE
 from vllm_flydsl_indexer.tools import doctor
 
 

@@ -87,7 +87,6 @@ def test_switch_off_imports_nothing_more():
     assert set(result["new_modules"]) <= {
         "vllm_flydsl_indexer",
         "vllm_flydsl_indexer.envs",
-        "vllm_flydsl_indexer._logging",
     }, result["new_modules"]
 
 

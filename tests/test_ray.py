@@ -32,7 +32,7 @@ import pytest
 from conftest import AITER_DOUBLE, AMDSMI_DOUBLE
 from test_tuning import row, table_text
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer._logging import ACTIVE_LINE, STOCK_LINE
+from vllm_flydsl_indexer.envs import ACTIVE_LINE, STOCK_LINE
 from vllm_flydsl_indexer.tools import doctor
 
 NON_CARRY_OVER = "ray_non_carry_over_env_vars.json"

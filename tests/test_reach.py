@@ -18,15 +18,15 @@ from conftest import simulation_env
 from test_cli import cli
 from test_drift import function, module_source, vllm_root
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer._logging import MODEL_STOCK_LINE
-from vllm_flydsl_indexer.callers import (
+from vllm_flydsl_indexer.envs import MODEL_STOCK_LINE
+from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE
+from vllm_flydsl_indexer.target import (
     CALL_SITES,
     DEFINING_MODULE,
     FP8_SETTING,
     MXFP4_DEFAULT_FUNCTION,
     mxfp4_reason,
 )
-from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE
 from vllm_flydsl_indexer.tools import reach
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,8 @@ import random
 
 import pytest
 
-from vllm_flydsl_indexer import envs, gates, identification, patch
+from vllm_flydsl_indexer import envs, gates, patch
+from vllm_flydsl_indexer import kernels as identification
 from vllm_flydsl_indexer.target import MARKER
 
 TARGET = "rocm_fp8_paged_mqa_logits"
@@ -357,7 +358,7 @@ def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, 
 
 
 def test_log_once_uses_vllms_once_methods_where_the_logger_is_vllms(plugin_log, monkeypatch):
-    from vllm_flydsl_indexer._logging import get_logger, log_once
+    from vllm_flydsl_indexer.envs import get_logger, log_once
 
     logger = get_logger()
     used = []
@@ -371,7 +372,7 @@ def test_log_once_uses_vllms_once_methods_where_the_logger_is_vllms(plugin_log, 
 
 
 def test_log_once_falls_back_without_vllms_logger():
-    from vllm_flydsl_indexer._logging import log_once
+    from vllm_flydsl_indexer.envs import log_once
 
     records = []
     logger = logging.getLogger(f"plain.{random.random()}")

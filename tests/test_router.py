@@ -21,9 +21,9 @@ from conftest import (
     hooks,
     router_for,
 )
-from vllm_flydsl_indexer.callers import DEFINING_MODULE
 from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.router import FlyDSLRouter, call_facts
+from vllm_flydsl_indexer.target import DEFINING_MODULE
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 
@@ -273,7 +273,7 @@ def test_the_caller_is_part_of_the_memoised_verdict():
     "taken" to GLM-5-next's kpool call (pool-granular bounds) and to an unknown
     caller on every later call with the same shapes.
     """
-    from vllm_flydsl_indexer.callers import CALL_SITES
+    from vllm_flydsl_indexer.target import CALL_SITES
 
     kpool = next(m for m, site in CALL_SITES.items() if not site.multi_row)
     p = base_problem()

@@ -16,10 +16,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm_flydsl_indexer import envs, selftest
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import vllm_stock_hooks
-from vllm_flydsl_indexer.target import Call
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.target import Call, vllm_stock_hooks
 from vllm_flydsl_indexer.tools.arms import reference_variant
 from vllm_flydsl_indexer.tools.reference import GFX950, make_paged_problem
 

@@ -13,8 +13,10 @@ import torch
 
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer import envs, patch, tuning
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.callers import DEFINING_MODULE, call_site_in
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.tools import doctor
+from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 HEADER = ",".join(tuning.COLUMNS)
@@ -127,7 +129,7 @@ def test_rows_above_next_n_2_are_parsed_and_decide_only_their_own_next_n():
     assert choice(t, 256, 4 * 32, 1, 32, 128, 64) == ("gluon", 128)  # 32 requests, 3 draft tokens, flattened
     assert choice(t, 256, 64, 2, 32, 128, 64) == ("gluon", 64)  # FlyDSL at 64 for next_n 8
     assert choice(t, 256, 64, 9, 32, 128, 64) is None  # no row: not covered
-    assert [s["next_n"] for s in tuning.describe(t)] == list(range(1, 9))
+    assert [s["next_n"] for s in doctor.describe(t)] == list(range(1, 9))
 
 
 def test_rows_above_next_n_2_never_decide_vllms_calls(target, tuned, aiter_calls, plugin_log):
@@ -444,7 +446,7 @@ def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plug
 def test_describe_reports_every_bucket_of_its_own_shape_and_never_raises():
     """doctor's per-shape buckets are the shape's own, whatever rows a table was built from."""
     table = parse(row(cu=256, batch=1, backend="gluon"), row(cu=256, batch=64), row(cu=256, kvb=1, batch=8))
-    shapes = {(s["kv_block_size"], s["preshuffle"]): s["buckets"] for s in tuning.describe(table)}
+    shapes = {(s["kv_block_size"], s["preshuffle"]): s["buckets"] for s in doctor.describe(table)}
     assert shapes == {
         (64, True): [
             {"batch_at_least": 1, "arm": "stock"},
@@ -454,7 +456,7 @@ def test_describe_reports_every_bucket_of_its_own_shape_and_never_raises():
     }
     # Built around the validator (no call can match the shape): reported as such, not an AssertionError.
     table.shapes[(256, 1, 32, 128, 64, False)] = {4: [("flydsl", 0)]}
-    odd = [s for s in tuning.describe(table) if not s["preshuffle"] and s["kv_block_size"] == 64]
+    odd = [s for s in doctor.describe(table) if not s["preshuffle"] and s["kv_block_size"] == 64]
     assert odd[0]["buckets"] == [{"batch_at_least": 4, "arm": "stock", "why": "no call matches"}]
 
 

@@ -13,7 +13,7 @@ import torch
 
 from test_agreement import call
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer.agreement import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 

@@ -1,14 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM plugin: route gfx950 sparse-indexer decode logits to aiter's FlyDSL kernel.
 
-vLLM calls :func:`register` (entry point ``vllm.general_plugins:
-flydsl_indexer``) once in every process. It evaluates the gates in
-:mod:`vllm_flydsl_indexer.gates`, installs the patch of
-:mod:`vllm_flydsl_indexer.patch` when all pass, and logs one line saying which
-arm is active and why: DEBUG when the switch is off (and then nothing in vLLM
-changes), INFO when FlyDSL is active or vLLM routes to it itself, WARNING when
-the switch is on and FlyDSL is not (the user asked for it). It never raises:
-any failure leaves vLLM as it was.
+vLLM calls :func:`register` (entry point ``vllm.general_plugins: flydsl_indexer``) once in every
+process. It evaluates the gates (:mod:`~vllm_flydsl_indexer.gates`), installs the patch
+(:mod:`~vllm_flydsl_indexer.patch`) when all pass, and logs one line saying which arm is active and
+why: DEBUG when the switch is off (then nothing in vLLM changes), INFO when FlyDSL is active or vLLM
+routes to it itself, WARNING when the switch is on and FlyDSL is not. It never raises.
 """
 
 from __future__ import annotations
@@ -25,11 +22,9 @@ _registered = False
 def _register_environment_variables() -> None:
     """Tell vLLM's environment validation about the plugin's variables that are set, and only those.
 
-    vLLM hashes every registered variable into its torch.compile cache key
-    (``vllm.envs.compile_factors``), leaving out by name those that cannot change
-    a compiled graph (its ``ignored_factors``). None of the plugin's can (the
-    indexer op is opaque to Dynamo), so ``compile_factors`` is wrapped to leave
-    them out the same way. Called only with the switch on.
+    vLLM hashes every registered variable into its torch.compile cache key (``compile_factors``). None
+    of the plugin's can change a compiled graph (the indexer op is opaque to Dynamo), so
+    ``compile_factors`` is wrapped to leave them out, as vLLM's own ``ignored_factors``.
     """
     import functools
     import os
@@ -65,7 +60,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_flydsl_indexer._logging import STOCK_LINE, get_logger
+    from vllm_flydsl_indexer.envs import STOCK_LINE, get_logger
 
     logger = get_logger()
     try:
@@ -81,7 +76,7 @@ def register() -> None:
 
 def _register(logger: logging.Logger) -> None:
     from vllm_flydsl_indexer import envs
-    from vllm_flydsl_indexer._logging import STOCK_LINE
+    from vllm_flydsl_indexer.envs import STOCK_LINE
 
     switch = envs.read_flag(envs.SWITCH)
     if not switch.enabled:
@@ -105,7 +100,7 @@ def _register(logger: logging.Logger) -> None:
 
         verifier = None
         if decision.verify:
-            from vllm_flydsl_indexer.agreement import make_verifier
+            from vllm_flydsl_indexer.selftest import make_verifier
 
             verifier = make_verifier()
         assert decision.target_module is not None and decision.variant is not None

@@ -1,42 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every file the package reads or writes, one way: regular files only, a size cap, no clobbering.
+"""Every file the plugin reads (the tuned CSV, vLLM's target source): a regular file, size-capped.
 
-Reads (the tuned CSV, which ``register()`` reads inside vLLM; a model's
-``config.json``; Ray's non-carry-over file) open without blocking, so a FIFO
-never hangs start-up, and take a regular file of at most :data:`MAX_READ_BYTES`;
-anything else (a FIFO, a device such as ``/dev/zero``, a directory, an
-oversized file) raises :class:`FileRefused` and nothing is read.
-
-Writes (the tools' ``--json``, ``--csv``, ``--plot`` and ``--tune`` files) go
-to a regular file or a new one, atomically: a temporary file beside the
-target, renamed over it. A symlink is written through to its resolved target
-and stays a link; a device node, a FIFO or a directory is refused, never
-replaced. :func:`outputs_problem` refuses them, and two outputs of one run
-that are the same file, before the run.
-
-In the plugin package because the plugin reads the tuned table; it imports
-nothing of the package.
+The open never blocks, so a FIFO never hangs start-up; anything but a regular file of at most
+:data:`MAX_READ_BYTES` (a FIFO, a device such as ``/dev/zero``, a directory, an oversized file)
+raises :class:`FileRefused` and nothing is read. The tools write through ``tools/outputs.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
-import tempfile
-from collections.abc import Callable, Iterable
-from typing import IO
 
-__all__ = [
-    "MAX_READ_BYTES",
-    "OUTPUT_RULE",
-    "FileRefused",
-    "kind_problem",
-    "outputs_problem",
-    "read_text",
-    "write_atomic",
-    "write_atomic_bytes",
-]
+__all__ = ["MAX_READ_BYTES", "FileRefused", "kind_of", "read_text"]
 
 # Larger than any tuned table or model config.json by far; /dev/zero and a runaway file stop here.
 MAX_READ_BYTES = 16 * 1024 * 1024
@@ -46,7 +21,8 @@ class FileRefused(OSError):
     """A file that is not read or written: not a regular file, or over the size cap."""
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """What a non-regular file is, in words."""
     for test, name in (
         (stat.S_ISDIR, "a directory"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -60,10 +36,9 @@ def _kind(mode: int) -> str:
 
 
 def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
-    """The UTF-8 text of the regular file ``path`` (symlinks followed; a BOM dropped), at most ``limit``
-    bytes.
+    """The UTF-8 text of the regular file ``path`` (links followed, a BOM dropped), at most ``limit`` bytes.
 
-    Raises :class:`FileRefused` for anything else, before reading a byte; ``OSError`` and
+    Raises :class:`FileRefused` for anything else before reading a byte; ``OSError`` and
     ``UnicodeDecodeError`` as reading does.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
@@ -74,124 +49,9 @@ def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
         raise
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise FileRefused(f"{path} is {_kind(mode)}, not a regular file; nothing read")
+        raise FileRefused(f"{path} is {kind_of(mode)}, not a regular file; nothing read")
     with os.fdopen(fd, "rb") as f:
         data = f.read(limit + 1)
     if len(data) > limit:
         raise FileRefused(f"{path} is larger than {limit} bytes; nothing read")
     return data.decode("utf-8-sig")  # a byte-order mark, as spreadsheet programs write, is not text
-
-
-# What every output accepts, as --help says it.
-OUTPUT_RULE = (
-    "each output is a regular file or a new one, replaced atomically; a symlink is written through to its "
-    "target (a new file if there is none yet) and stays a link; refused before any work: a device, FIFO or "
-    "directory, this command's own stdout or stderr (redirect the report, not an output, there), two "
-    "outputs that are one file"
-)
-
-
-def _standard_streams() -> list[tuple[str, os.stat_result]]:
-    out = []
-    for fd, name in ((1, "standard output"), (2, "standard error")):
-        try:
-            out.append((name, os.fstat(fd)))
-        except OSError:
-            continue
-    return out
-
-
-def kind_problem(path: str) -> str | None:
-    """Why ``path`` cannot be written (an existing non-regular file, through any links, or this
-    process's own stdout or stderr), or ``None``."""
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        return None  # a new file, or a link to one (written through: the link stays)
-    except OSError as e:
-        return f"{path}: {e.strerror or e}"
-    for name, stream in _standard_streams():
-        if (info.st_dev, info.st_ino) == (stream.st_dev, stream.st_ino):
-            return f"{path} is this command's {name}; give an output its own file"
-    if stat.S_ISREG(info.st_mode):
-        return None
-    return f"{path} is {_kind(info.st_mode)}, not a regular file; give a file path"
-
-
-def outputs_problem(outputs: Iterable[tuple[str, str]]) -> str | None:
-    """The first ``(flag, path)`` that cannot be written, or that names the file an earlier one does.
-
-    Paths are compared resolved (symlinks, ``./``, ``..``), and by inode where both exist.
-    Each is opened for appending now, without blocking (a new file is removed again).
-    """
-    seen: dict[str, str] = {}
-    for flag, path in outputs:
-        problem = kind_problem(path)
-        if problem is not None:
-            return f"argument {flag}: {problem}"
-        real = os.path.realpath(path)
-        same = next((f for r, f in seen.items() if r == real or _same_inode(r, real)), None)
-        if same is not None:
-            return f"argument {flag}: {path} is the file {same} writes too; give each output its own file"
-        seen[real] = flag
-        existed = os.path.lexists(real)
-        try:
-            fd = os.open(real, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
-            os.close(fd)
-        except OSError as e:
-            return f"argument {flag}: cannot open {path} for writing ({e.strerror or e})"
-        if not existed:
-            with contextlib.suppress(OSError):
-                os.unlink(real)
-    return None
-
-
-def _same_inode(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
-
-
-def _replace_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Write a temporary file beside ``path``'s resolved target, sync it, rename it over the target."""
-    problem = kind_problem(path)
-    if problem is not None:
-        raise FileRefused(problem)
-    target = os.path.realpath(path)  # a link is written through and stays a link
-    directory, name = os.path.split(target)
-    try:
-        mode = os.stat(target).st_mode & 0o7777
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o644 & ~umask
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def write_atomic(path: str, text: str, newline: str | None = None) -> None:
-    """Replace ``path`` with ``text`` all at once: readers see the old file or the new one.
-
-    UTF-8; ``newline`` as for :func:`open` (``""``: no translation). The mode
-    of an existing file is kept; a new file gets 0o644 less the umask.
-    """
-    if newline not in ("", "\n"):
-        text = text.replace("\n", os.linesep if newline is None else newline)
-    data = text.encode("utf-8")
-    _replace_atomic(path, lambda f: f.write(data))
-
-
-def write_atomic_bytes(path: str, data: bytes) -> None:
-    """:func:`write_atomic` for bytes (a rendered plot)."""
-    _replace_atomic(path, lambda f: f.write(data))

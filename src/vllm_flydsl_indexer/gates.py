@@ -1,16 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The gates that decide whether the FlyDSL arm can be installed, in order.
+"""May the patch be installed at all? The gates, in order; the first that fails is the reason.
 
-1. the switch; 2. vLLM does not route the call itself (in-tree); 3. the vLLM
-version window; 4. ROCm; 5. gfx950; 6. aiter enabled and installed; 7. the
-kernel; 8. the target: its signature, then its content (what
-:mod:`vllm_flydsl_indexer.content` audited) and every vLLM name the router's
-hooks hold. The first gate that fails is the reason.
-Gates 4-6 are cheap (vLLM's platform, ``VLLM_ROCM_USE_AITER``,
-``importlib.util.find_spec``): aiter is imported, by the kernel gate, only where
-they pass, as vLLM itself would import it. ``register()`` and ``doctor`` both
-call :func:`evaluate`, so the log line and the doctor report never disagree.
-Nothing here raises.
+1. the switch; 2. vLLM does not route the call itself (in-tree); 3. the vLLM version window; 4. ROCm;
+5. gfx950; 6. aiter enabled and installed; 7. the kernel (:func:`~vllm_flydsl_indexer.kernels.find_kernel`);
+8. the target: its signature, its content and every vLLM name the router's hooks hold. Gates 4-6 are
+cheap, so aiter is imported (gate 7) only where vLLM itself would. ``register()`` and ``doctor`` both
+call :func:`evaluate`, so the log line and the doctor report never disagree. Nothing here raises.
 """
 
 from __future__ import annotations
@@ -23,24 +18,15 @@ import sys
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from vllm_flydsl_indexer import content, envs, files
-from vllm_flydsl_indexer._logging import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
-from vllm_flydsl_indexer.identification import find_kernel
-from vllm_flydsl_indexer.kernels import KernelVariant
+from vllm_flydsl_indexer import envs, files, target
+from vllm_flydsl_indexer.envs import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
+from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
 
 __all__ = [
-    "Decision",
-    "Gate",
-    "MODEL_HINT",
-    "SUPPORTED_VLLM",
-    "check_version",
-    "evaluate",
-    "gcn_arch",
-    "in_tree_route",
-    "parse_version",
-    "vllm_version",
-]
+    "Decision", "Gate", "MODEL_HINT", "SUPPORTED_VLLM", "check_version", "evaluate", "gcn_arch",
+    "in_tree_route", "parse_version", "vllm_version",
+]  # fmt: skip
 
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
@@ -167,27 +153,20 @@ def _check_platform() -> tuple[Gate, Gate]:
 
 
 def _target_calls_flydsl() -> bool:
-    """Whether the target function (its module's source read, not imported) calls a FlyDSL function.
-
-    Raises what :func:`files.read_text` raises for a file that is not a regular one of at most
-    :data:`content.MAX_SOURCE_BYTES` (``in_tree_route`` reads that as not in-tree).
-    """
+    """Whether the target function (its module's source read, not imported) calls a FlyDSL function."""
     spec = importlib.util.find_spec(TARGET_MODULE)
     origin = getattr(spec, "origin", None)
     if not origin:
         return False
-    source = files.read_text(origin, content.MAX_SOURCE_BYTES)
-    fn = content.function_node(source)
-    return fn is not None and content.calls_flydsl(ast.parse(source), fn)
+    source = files.read_text(origin, target.MAX_SOURCE_BYTES)
+    fn = target.function_node(source)
+    return fn is not None and target.calls_flydsl(ast.parse(source), fn)
 
 
 def in_tree_route() -> str | None:
-    """Why vLLM already routes the call to FlyDSL itself, or ``None``; never raises.
-
-    vLLM declares the switch in ``vllm.envs.environment_variables`` (not through
-    this package), or its target's code calls a FlyDSL function (a comment or a
-    string that mentions FlyDSL does not count).
-    """
+    """Why vLLM already routes the call to FlyDSL itself, or ``None``; never raises: vLLM declares the
+    switch in ``vllm.envs.environment_variables`` (not through this package), or its target's code calls
+    a FlyDSL function (a comment or a string that mentions FlyDSL does not count)."""
     try:
         vllm_envs = sys.modules.get("vllm.envs")
         if vllm_envs is not None and envs.declared_by_vllm(getattr(vllm_envs, "environment_variables", None)):
@@ -224,10 +203,8 @@ def _check_target() -> tuple[Gate, ModuleType | None]:
     if problem is not None:
         return Gate("target", False, f"{TARGET_MODULE}.{TARGET_NAME}: {problem}"), None
     try:
-        from vllm_flydsl_indexer.stock import vllm_stock_hooks
-
-        vllm_stock_hooks(module)  # what patch.install resolves, resolved here first
-    except content.ContentDrift as e:
+        target.vllm_stock_hooks(module)  # what patch.install resolves, resolved here first
+    except target.ContentDrift as e:
         return Gate("target", False, str(e)), None
     except Exception as e:  # noqa: BLE001
         return Gate("target", False, f"vLLM's names unresolvable ({type(e).__name__}: {e})"), None
@@ -239,11 +216,8 @@ def _check_target() -> tuple[Gate, ModuleType | None]:
 
 
 def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> Decision:
-    """Run the gates in order; the first that fails is the reason.
-
-    ``register()`` stops at the first failure. ``full=True`` (``doctor``) still
-    evaluates every later gate, for the report, without changing the outcome.
-    """
+    """Run the gates in order; the first that fails is the reason. ``register()`` stops there;
+    ``full=True`` (``doctor``) evaluates every later gate too, for the report, not the outcome."""
     switch = envs.read_flag(envs.SWITCH, environ)
     verify = envs.read_flag(envs.VERIFY, environ)
     allow = envs.read_flag(envs.ALLOW_UNTESTED_VLLM, environ)
@@ -281,7 +255,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         return Gate(
             "kernel",
             True,
-            f"found {lookup.location}: {lookup.variant.name} ({lookup.variant.description})",
+            f"found {lookup.variant.location}: {lookup.variant.name} ({lookup.variant.description})",
         )
 
     first_failure: Gate | None = None

@@ -1,49 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Install and uninstall the FlyDSL router over vLLM's decode-logits call.
+"""Install and uninstall the FlyDSL router over vLLM's decode-logits call. Two patches, installed and
+undone together (vllm-ascend's patch-record format):
 
-Patch registry (two patches, installed and undone together):
+1. **The router.** *What:* ``vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits``.
+   *Why:* on gfx950 it calls aiter's Gluon kernel; aiter PR #4221 adds a FlyDSL kernel for the same job,
+   and AMD's MI355X measurements find each faster at some shapes and batch sizes. vLLM cannot make that
+   per-shape choice; the patch lets the measured choice reach it. *How:* a wrapper with the same
+   signature replaces the function in the defining module and in every imported module that bound the
+   same object (modules imported later, or importing the name at call time, get the replaced name). It
+   reads the calling module from its caller's frame (one ``sys._getframe`` per call) for the call-site
+   audit, and keeps the original as ``__wrapped__``: ineligible calls go to it unchanged. *Upstream:*
+   aiter PR #4221 (the kernel) and #6140 (the tuned dispatcher). Retire it once vLLM routes to FlyDSL.
+2. **The config watch** (vLLM 0.33.0 and later). *What:*
+   ``vllm.platforms.rocm._maybe_default_dsv4_mxfp4_indexer``. *Why:* a model on aiter's MXFP4 indexer
+   never calls the target, so after ACTIVE the plugin would say nothing. *How:* the original runs
+   unchanged, then one WARNING where the resolved config never reaches the target
+   (``RocmPlatform.check_and_update_config`` calls it by its module global). *Upstream:* none.
 
-1. The router.
-
-* **What:** ``vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits``.
-* **Why:** on gfx950 it calls aiter's Gluon ``deepgemm_fp8_paged_mqa_logits``;
-  aiter PR #4221 adds ``flydsl_fp8_paged_mqa_logits`` for the same job, and
-  AMD's MI355X measurements find each kernel faster at some shapes and batch
-  sizes (:mod:`vllm_flydsl_indexer.tuning`). vLLM cannot make that per-shape
-  choice; the patch lets the measured choice reach it. (PR #4221 reports its
-  kernel 1.7-3.1x faster: that PR's own claim, not this patch's reason.)
-* **How:** a wrapper with the same signature replaces the function object in
-  the defining module and in every already-imported module that bound the
-  same object (vLLM 0.33.0: ``vllm.models.deepseek_v41.amd.ops.sparse_indexer``
-  binds it at import). Modules imported later, or importing the name at call
-  time (``vllm.models.glm5next.amd.sparse_indexer``), get the replaced name.
-  The wrapper reads the calling module from its caller's frame (one
-  ``sys._getframe`` per call, no device work) and hands it to the router,
-  which applies the call-site audit of :mod:`vllm_flydsl_indexer.callers`. It
-  keeps the original as ``__wrapped__``; ineligible calls go to it unchanged,
-  so the stock path is byte-for-byte stock.
-* **Upstream:** aiter PR #4221 (the kernel; not merged) and aiter PR #6140 (the
-  tuned dispatcher; open). Retire this patch once vLLM routes to FlyDSL itself.
-
-2. The config watch (vLLM 0.33.0 and later; absent where vLLM has no MXFP4 indexer).
-
-* **What:** ``vllm.platforms.rocm._maybe_default_dsv4_mxfp4_indexer``.
-* **Why:** a model on aiter's MXFP4 indexer (vLLM's default for DeepSeek-V4 on
-  MI350/MI355) never calls the target, so after ACTIVE the plugin would say
-  nothing at all. Plugins load before any model config exists; this function
-  is where vLLM's ROCm platform resolves the indexer cache dtype, once per
-  config, never on the decode path.
-* **How:** a wrapper calls the original unchanged, then reads the resolved
-  config (:func:`vllm_flydsl_indexer.callers.config_objection`) and logs one
-  WARNING naming the setting that selects the FP8 indexer.
-  ``RocmPlatform.check_and_update_config`` calls the function by its module
-  global, so replacing that global is enough (``tests/test_reach.py`` pins it).
-* **Upstream:** none; retire it with the router.
-
-Why it is safe: everything is resolved before anything changes (the router's
-hooks hold every vLLM object they use, after :mod:`vllm_flydsl_indexer.content`
-checked that the original does what they mirror), the swap is plain attribute
-assignment, and :func:`uninstall` restores every binding.
+Everything is resolved before anything changes, the swap is plain attribute assignment, and
+:func:`uninstall` restores every binding.
 """
 
 from __future__ import annotations
@@ -55,22 +30,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-from vllm_flydsl_indexer._logging import MODEL_STOCK_LINE, log_once
-from vllm_flydsl_indexer.callers import MXFP4_DEFAULT_FUNCTION, MXFP4_DEFAULT_MODULE, config_objection
+from vllm_flydsl_indexer.envs import MODEL_STOCK_LINE, log_once
 from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import vllm_stock_hooks
-from vllm_flydsl_indexer.target import MARKER, TARGET_NAME
+from vllm_flydsl_indexer.target import (
+    MARKER,
+    MXFP4_DEFAULT_FUNCTION,
+    MXFP4_DEFAULT_MODULE,
+    TARGET_NAME,
+    config_objection,
+    vllm_stock_hooks,
+)
 from vllm_flydsl_indexer.tuning import TunedTable
 
-__all__ = [
-    "InstalledPatch",
-    "install",
-    "installed",
-    "uninstall",
-    "watch_config",
-    "wrap",
-]
+__all__ = ["InstalledPatch", "install", "installed", "uninstall", "watch_config", "wrap"]
 
 
 @dataclass
@@ -100,11 +73,8 @@ def _bindings(original: Callable) -> list[ModuleType]:
 
 
 def wrap(original: Callable, router: FlyDSLRouter) -> Callable:
-    """The function that replaces ``original``: the router, told which module called it.
-
-    One ``sys._getframe`` per call, no device work. ``check`` and ``bench`` call
-    this same wrapper from the call sites' modules.
-    """
+    """The function that replaces ``original``: the router, told which module called it (``check`` and
+    ``bench`` call this same wrapper from the call sites' modules)."""
     route = router.call_from
     caller_frame = sys._getframe
 
@@ -144,11 +114,7 @@ def watch_config(original: Callable, logger: logging.Logger) -> Callable:
 
 
 def _install_config_watch(logger: logging.Logger) -> tuple[ModuleType, Callable] | None:
-    """Wrap vLLM's MXFP4 default where this vLLM has one.
-
-    Imports nothing: the gates imported vLLM's ROCm platform before any install
-    (a caller outside vLLM, as the tools, may have none to watch).
-    """
+    """Wrap vLLM's MXFP4 default where this vLLM has one (imports nothing: the gates imported it)."""
     module = sys.modules.get(MXFP4_DEFAULT_MODULE)
     original = getattr(module, MXFP4_DEFAULT_FUNCTION, None)
     if module is None or original is None or getattr(original, MARKER, False):
@@ -165,11 +131,8 @@ def install(
     table: TunedTable | None = None,
     self_test: bool = True,
 ) -> InstalledPatch:
-    """Replace every binding of the target with the router. Idempotent.
-
-    Resolves the router's vLLM hooks first (:func:`vllm_stock_hooks`): where the original does not do
-    what they mirror, or a name they use is gone, it raises before anything changes.
-    """
+    """Replace every binding of the target with the router. Idempotent. Resolves the router's vLLM hooks
+    first (:func:`vllm_stock_hooks`), so a drifted target raises before anything changes."""
     global _installed
     current = vars(target)[TARGET_NAME]
     if getattr(current, MARKER, False):

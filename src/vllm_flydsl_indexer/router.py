@@ -1,34 +1,26 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The FlyDSL router for vLLM's decode-logits call. Imports no vLLM.
+"""The route: every rule of the decode step, the memo, the guards and the one net. Imports no vLLM.
 
-:class:`FlyDSLRouter` is what the patch installs in place of
-``rocm_fp8_paged_mqa_logits``. Every call is either taken, and launched on the
-identified FlyDSL API (:mod:`vllm_flydsl_indexer.kernels`), or handed to the
-original function unchanged. The decision reads only shapes, dtypes, strides,
-Python arguments and the calling module: never tensor values, so it issues no
-host sync and is the same during CUDA/HIP graph capture as outside it.
+:class:`FlyDSLRouter` is what the patch installs in place of ``rocm_fp8_paged_mqa_logits``. A call is
+either taken, and launched on the identified FlyDSL API, or handed to the original unchanged. The
+decision reads shapes, dtypes, strides, Python arguments and the calling module, never a tensor value:
+no host sync, and the same during CUDA/HIP graph capture as outside it.
 
-**The route.** The router applies :data:`vllm_flydsl_indexer.rules.RULES` in
-order (each returns ``None`` or a short reason; the first reason is what the
-log says, once) and memoises the verdict on the call's signature: q's, the
-cache's and the bounds' shapes, the cache's contiguity (the layout: one per
-model), ``max_model_len``, ``compress_ratio`` and the caller. A stock verdict
-is reused as it is (stock is always a right answer); a FlyDSL verdict is
-launched only while the call's other facts (:func:`call_facts`) are the ones
-it was decided on.
+**The rules** (:data:`RULES`), in order: each is a function ``(call, router) -> None | reason``; the
+first reason is what the log says, once ("why did this call stay stock?"). None reads vLLM's modules
+(stock's questions go to the hooks resolved at start-up), so the verdict is memoised on the call's
+signature: q's, the cache's and the bounds' shapes, the cache's contiguity, ``max_model_len``,
+``compress_ratio`` and the caller. A stock verdict is reused as it is; a FlyDSL verdict is launched only
+while the call's other facts (:func:`call_facts`) are the ones it was decided on.
 
-**The guards**, after the rules, from the router's own history: no first-time
-compile or self-test inside graph capture; a shape proves itself before it is
-used (the self-test of :mod:`vllm_flydsl_indexer.selftest`, once per shape and
-kind of bounds, at its first call outside capture); a shape whose self-test,
-kernel or canary failed stays stock. A shape is :class:`KernelConfig`.
+**The guards**, from the router's own history: no first-time compile or self-test inside graph capture;
+a shape proves itself (:mod:`~vllm_flydsl_indexer.selftest`, once per shape and kind of bounds) at its
+first call outside capture; a shape whose self-test, kernel or canary failed stays stock.
 
-**One net.** Everything the router does for a call (the key, the rules, vLLM's
-hooks, the self-test, the launch, the canary) runs inside one ``try``: any
-exception gives the caller stock's answer, one ERROR, and that shape stays
-stock. A kernel's argument check (:data:`ARGUMENT_ERRORS`) rejects only that
-call signature's route. Only stock's own call runs outside the net, so what it
-raises reaches vLLM exactly as without the plugin.
+**One net.** Everything the router does for a call runs inside one ``try``: any exception gives the
+caller stock's answer, one ERROR, and that shape stays stock. A kernel's argument check
+(:data:`ARGUMENT_ERRORS`) rejects only that call signature's route. Only stock's own call runs outside
+the net, so what it raises reaches vLLM exactly as without the plugin.
 """
 
 from __future__ import annotations
@@ -41,43 +33,149 @@ from typing import NamedTuple
 
 import torch
 
-from vllm_flydsl_indexer import selftest, tuning
-from vllm_flydsl_indexer._logging import (
-    DISAGREE_LINE,
-    HEAD,
-    STOCK_CALL_LINE,
-    TABLE_IGNORED_LINE,
-    log_once,
+from vllm_flydsl_indexer import selftest
+from vllm_flydsl_indexer.envs import DISAGREE_LINE, HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE, log_once
+from vllm_flydsl_indexer.kernels import (
+    AITER_DISTRIBUTIONS,
+    TUNER_WG_PER_CU,
+    KernelVariant,
+    cu_count,
+    explicit_split_kv,
+    installed_version,
+    strided_cache_reason,
 )
-from vllm_flydsl_indexer.agreement import read_window_ends
-from vllm_flydsl_indexer.identification import AITER_DISTRIBUTIONS, installed_version
-from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, KernelVariant, cu_count, explicit_split_kv
-from vllm_flydsl_indexer.rules import RULES
-from vllm_flydsl_indexer.stock import StockHooks
-from vllm_flydsl_indexer.target import Call
-from vllm_flydsl_indexer.tuning import TunedTable
+from vllm_flydsl_indexer.target import Call, StockHooks, multi_row_objection
+from vllm_flydsl_indexer.tuning import Pick, TunedTable, where
 
 __all__ = [
-    "ARGUMENT_ERRORS",
-    "FlyDSLRouter",
-    "KernelConfig",
-    "MAX_MEMOISED_VERDICTS",
-    "Route",
-    "call_facts",
-    "canary_sequences",
-    "describe_configuration",
-]
+    "ARGUMENT_ERRORS", "CANARY_BYTES", "FlyDSLRouter", "KernelConfig", "MAX_MEMOISED_VERDICTS", "RULES",
+    "Route", "call_facts", "canary_sequences", "contiguity_rule", "contract_rule", "describe_configuration",
+    "dispatcher_rule", "gluon_rule", "layout_rule", "pick_for", "table_rule", "window_rule",
+]  # fmt: skip
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
 # What aiter's wrappers raise from their argument checks, before anything is compiled or launched
-# (Python's own exceptions for bad arguments: ``assert``, ``raise ValueError``/``TypeError``). They
-# reject that call signature only; any other exception sends the shape to stock.
+# (``assert``, ``raise ValueError``/``TypeError``): they reject that call signature only.
 ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
+# The canary compares at most this many logits rows' bytes (whole sequences, at least one).
+CANARY_BYTES = 4 << 20
+
+
+# --- The rules, in the order RULES applies them. ---
+
+
+def gluon_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """Only the call stock would send to aiter's gfx950 Gluon kernel is ours to change."""
+    reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])
+    return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
+
+
+def contiguity_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """Every FlyDSL API needs a layer-contiguous cache (its contiguity is part of the memo key)."""
+    return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)
+
+
+def contract_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """The found API's exact contract: the common one plus its own limits."""
+    return router.variant.violation(call)
+
+
+def window_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """Written columns equal read columns: FlyDSL writes ``[0, ctx_b - next_n + i]`` of row ``(b, i)``.
+
+    ``ctx_b`` is the last column of vLLM's bounds; the consumers read row ``r`` over ``[0,
+    bounds.reshape(-1)[r])``, or one entry per sequence repeated over its rows. They agree for
+    ``next_n == 1`` with one bound per row, and for ``next_n > 1`` with a ``(B, next_n)`` native table
+    from an audited caller, ``compress_ratio == 1`` and DCP 1. Anything else can read a column FlyDSL
+    never writes, where Gluon writes ``-inf``.
+    """
+    next_n, context_lens = call.q_fp8.shape[1], call.context_lens
+    if next_n == 1:
+        if context_lens.dim() == 2 and context_lens.shape[1] != 1:
+            return f"next_n=1 with {context_lens.shape[1]} bounds per sequence"
+        return None
+    if context_lens.dim() != 2 or context_lens.shape[1] != next_n:
+        return (
+            f"next_n={next_n} without a (B, next_n) bounds table: "
+            "consumers read columns FlyDSL does not write"
+        )
+    objection = multi_row_objection(call.caller)
+    if objection is not None:
+        return objection
+    if call.compress_ratio != 1:
+        return (
+            f"next_n={next_n} with compress_ratio={call.compress_ratio}: compressed bounds are not one apart"
+        )
+    if call.dcp_world_size != 1:
+        return f"next_n={next_n} with decode context parallel size {call.dcp_world_size}: localised bounds"
+    return None
+
+
+def layout_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """FlyDSL is launched with the cache layout (``Preshuffle``) stock passes Gluon, or not at all."""
+    block_size = call.kv_cache.shape[1]
+    layout = router.hooks.preshuffle(block_size)
+    told = router.variant.preshuffle(block_size)
+    if told != layout:
+        return (
+            f"stock reads this KVBlockSize={block_size} cache with Preshuffle={layout}, "
+            f"FlyDSL would be launched with Preshuffle={told}"
+        )
+    return None
+
+
+def dispatcher_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """With aiter's dispatcher only its FlyDSL picks are taken: where its table picks Gluon it would
+    re-tune Gluon's ChunkK/WavePerEU, so vLLM's original runs instead (the switch changes only the kernel)."""
+    objection = router.variant.dispatch_objection
+    return None if objection is None else objection(call, router.variant.preshuffle(call.kv_cache.shape[1]))
+
+
+def pick_for(call: Call, router: FlyDSLRouter, cus: int) -> Pick | None:
+    """The router's table's :class:`~vllm_flydsl_indexer.tuning.Pick` for this call, or ``None``."""
+    if router.table is None:
+        return None
+    batch, next_n, heads, head_dim = call.q_fp8.shape
+    return router.table.choice(cus, batch, next_n, heads, head_dim, call.kv_cache.shape[1])
+
+
+def table_rule(call: Call, router: FlyDSLRouter) -> str | None:
+    """A measured table keeps the call stock where it found stock (Gluon) faster, or where the FlyDSL
+    launch it measured cannot be made: its rows disagree, or the found kernel cannot take the knob."""
+    cus = cu_count(call.q_fp8.device)
+    pick = pick_for(call, router, cus)
+    if pick is None:
+        return None
+    _, next_n, heads, head_dim = call.q_fp8.shape
+    shape = f"heads={heads} head_dim={head_dim} KVBlockSize={call.kv_cache.shape[1]} next_n={next_n}"
+    if pick.backend != "flydsl":
+        return f"{where(router.table, pick, cus)} measured stock (Gluon) faster for {shape}"
+    if pick.conflict is not None:
+        return f"{where(router.table, pick, cus)}: {pick.conflict} for {shape}"
+    problem = router.variant.knob_problem(pick.wg_per_cu)
+    if problem is not None:
+        return f"{where(router.table, pick, cus)} measured FlyDSL with {problem}"
+    return None
+
+
+# In order; the first reason wins.
+RULES = (
+    gluon_rule,  # only the call stock sends to aiter's Gluon
+    contiguity_rule,  # a layer-contiguous cache
+    contract_rule,  # the found API's exact contract and limits
+    window_rule,  # written columns equal read columns, per caller
+    layout_rule,  # launched with stock's Preshuffle
+    dispatcher_rule,  # aiter's dispatcher: only where it launches FlyDSL
+    table_rule,  # a measured table's per-shape choice and its launch
+)
+
+
+# --- The memo and the router. ---
 
 
 class KernelConfig(NamedTuple):
-    """A shape: what FlyDSL compiles, and what the log lines name (a tuple: cheap to hash)."""
+    """A shape: what FlyDSL compiles, and what the log lines name."""
 
     heads: int
     head_dim: int
@@ -90,10 +188,11 @@ class KernelConfig(NamedTuple):
         )
 
 
-def _is_capturing() -> bool:
-    # Nothing can be capturing before CUDA/HIP is initialised; is_initialized()
-    # is a cheap flag read, unlike is_available(), which can query the driver.
-    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+def _config_of(q_fp8: torch.Tensor, kv_cache: torch.Tensor) -> KernelConfig | None:
+    if q_fp8.dim() != 4 or kv_cache.dim() < 2:
+        return None
+    _, next_n, heads, head_dim = q_fp8.shape
+    return KernelConfig(heads, head_dim, kv_cache.shape[1], next_n)
 
 
 def call_facts(args: tuple, dcp_world_size: int) -> tuple:
@@ -123,13 +222,10 @@ class Route:
     config: KernelConfig | None = None
     caller: str | None = None
     kwargs: dict[str, object] = field(default_factory=dict)
-    # The launch's knob, and the tuned row that chose it (for the first-taken log line).
-    note: str = ""
-    # The call's facts (call_facts) the verdict was decided on, and the self-test's key.
-    facts: tuple = ()
-    bounds: str = ""
-    # Compiled outside capture and announced in the log: the plain fast path applies.
-    ready: bool = False
+    note: str = ""  # the launch's knob and the tuned row that chose it (the first-taken log line)
+    facts: tuple = ()  # the call's facts (call_facts) the verdict was decided on
+    bounds: str = ""  # the kind of bounds: "(B,)" or "(B, next_n)"
+    ready: bool = False  # compiled outside capture and announced: the plain fast path applies
 
     @property
     def key(self) -> tuple:
@@ -142,7 +238,6 @@ class Route:
         return (self.config, self.bounds)
 
     def describe(self) -> str:
-        """The configuration in words, for the log."""
         return describe_configuration(self.key)
 
 
@@ -155,29 +250,35 @@ def describe_configuration(key: tuple) -> str:
     return f"{config.describe()} {named}".rstrip()
 
 
-def _config_of(q_fp8: torch.Tensor, kv_cache: torch.Tensor) -> KernelConfig | None:
-    if q_fp8.dim() != 4 or kv_cache.dim() < 2:
-        return None
-    _, next_n, heads, head_dim = q_fp8.shape
-    return KernelConfig(heads, head_dim, kv_cache.shape[1], next_n)
+def canary_sequences(batch: int, next_n: int, max_model_len: int) -> list[int]:
+    """The sequences whose rows the canary compares, spread from the first to the last: as many as fit
+    in :data:`CANARY_BYTES` of float32 rows, at least one."""
+    fit = min(batch, max(1, CANARY_BYTES // (4 * max_model_len * next_n)))
+    if fit == 1:
+        return [0]
+    return sorted({round(i * (batch - 1) / (fit - 1)) for i in range(fit)})
+
+
+@functools.cache
+def _stack_versions() -> str:
+    """``flydsl X, aiter Y`` from the installed distributions ("unknown" if absent); read once, lazily."""
+    flydsl, aiter = installed_version(("flydsl",)), installed_version(AITER_DISTRIBUTIONS)
+    return f"flydsl {flydsl[0] if flydsl else 'unknown'}, aiter {aiter[0] if aiter else 'unknown'}"
+
+
+def _is_capturing() -> bool:
+    # Nothing captures before CUDA/HIP is initialised; is_initialized() is a cheap flag read.
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
 
 
 class FlyDSLRouter:
-    """Callable with ``rocm_fp8_paged_mqa_logits``'s signature.
+    """Callable with ``rocm_fp8_paged_mqa_logits``'s signature. The patch calls :meth:`call_from` with
+    the calling module; a plain call is an unknown caller, which may take ``next_n == 1`` only.
 
-    The patch calls :meth:`call_from` with the calling module; a plain call is
-    an unknown caller, which may take ``next_n == 1`` only.
-
-    ``self_test`` (on by default): each shape's first call outside graph
-    capture first runs its self-test; a shape that fails it (or raises) stays
-    stock, with one ERROR. ``self_tests`` records each outcome by
-    :attr:`Route.test_key` (``None``: passed).
-
-    ``verifier``, when given, is the canary: at each configuration's first
-    eligible call made outside graph capture, it is called on a sample of rows,
-    one sequence at a time, as ``verifier(stock_rows, flydsl_rows, ends)``; it
-    returns ``None`` when the arms agree, else a message. On disagreement that
-    shape stays stock.
+    ``self_test`` (on by default): each shape's first call outside capture first runs its self-test;
+    ``self_tests`` records each outcome by :attr:`Route.test_key` (``None``: passed). ``verifier``, when
+    given, is the canary: ``verifier(stock_rows, flydsl_rows, ends) -> None | what differed``, at each
+    configuration's first eligible call outside capture, one sequence at a time.
     """
 
     def __init__(
@@ -200,12 +301,10 @@ class FlyDSLRouter:
         self.is_capturing = is_capturing
         self.self_test = self_test
         self.compiled: set[KernelConfig] = set()
-        # The shapes that failed (a self-test, a launch, the canary or the router's own work).
-        self.failed: dict[KernelConfig, str] = {}
+        self.failed: dict[KernelConfig, str] = {}  # shapes whose self-test, launch, canary or routing failed
         self.self_tests: dict[tuple, str | None] = {}
         self.verified: set[tuple] = set()  # the configurations the canary checked
-        # Why the kernel rejected a call's arguments (ARGUMENT_ERRORS), one entry per rejected route.
-        self.rejected: list[str] = []
+        self.rejected: list[str] = []  # why the kernel rejected a call's arguments, per rejected route
         self._routes: dict[tuple, Route] = {}
         self.calls_taken = 0
         self.calls_delegated = 0
@@ -278,8 +377,8 @@ class FlyDSLRouter:
         return self._first_calls(route, args, compress_ratio)
 
     def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller: str | None) -> Route:
-        """The rules' verdict on a call signature not seen before, kept while the memo has room.
-        A shape that failed stays stock without asking anything again."""
+        """The rules' verdict on a new call signature, kept while the memo has room. A shape that failed
+        stays stock without asking anything again."""
         config = _config_of(args[0], args[1])
         if config in self.failed:
             route = Route(self.failed[config])
@@ -302,14 +401,15 @@ class FlyDSLRouter:
             if reason is not None:
                 return Route(reason)
         config = _config_of(call.q_fp8, call.kv_cache)
-        batch, block_size = call.q_fp8.shape[0], config.block_size
         # The table rule has passed: a FlyDSL pick here is launched with its row's knob, as measured.
-        pick = tuning.pick_for(call, self, cus)
+        pick = pick_for(call, self, cus)
         wg_per_cu = pick.wg_per_cu if pick is not None else 0
-        kwargs = self.variant.launch_kwargs(batch, block_size, call.max_model_len, cus, wg_per_cu)
+        kwargs = self.variant.launch_kwargs(
+            call.q_fp8.shape[0], config.block_size, call.max_model_len, cus, wg_per_cu
+        )
         note = self.variant.describe_launch(wg_per_cu)
         if pick is not None:
-            note = f"{tuning.where(self.table, pick, cus)} measured FlyDSL faster; {note}"
+            note = f"{where(self.table, pick, cus)} measured FlyDSL faster; {note}"
         bounds = "(B, next_n)" if call.context_lens.dim() == 2 else "(B,)"
         return Route(None, config, call.caller, kwargs, f"; {note}", bounds=bounds)
 
@@ -331,8 +431,8 @@ class FlyDSLRouter:
         self.table = None
 
     def _first_calls(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
-        """A route's first calls (the capture guard, the self-test, the canary): FlyDSL's answer,
-        or ``None`` for stock's."""
+        """A route's first calls (the capture guard, the self-test, the canary): FlyDSL's answer, or
+        ``None`` for stock's."""
         config = route.config
         capturing = self.is_capturing()
         untested = self.self_test and route.test_key not in self.self_tests
@@ -367,10 +467,8 @@ class FlyDSLRouter:
 
     def _self_test(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
         """FlyDSL itself on a small synthetic problem of this shape, against stock: ``None`` if they agree.
-
         It launches SplitKV 1 and the largest SplitKV any live launch of this shape reaches, clamped to
-        the problem's pages (:meth:`~vllm_flydsl_indexer.kernels.KernelVariant.self_test_launches`).
-        """
+        the problem's pages (:meth:`~vllm_flydsl_indexer.kernels.KernelVariant.self_test_launches`)."""
         q_fp8, kv_cache, _, context_lens, _, _, max_model_len = args
         config = route.config
         problem = selftest.synthetic(
@@ -408,7 +506,7 @@ class FlyDSLRouter:
         fn(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
 
     def _launch(self, route: Route, args: tuple) -> torch.Tensor | None:
-        """FlyDSL into the logits buffer obtained exactly as stock obtains it; ``None`` for stock's."""
+        """FlyDSL into the logits buffer taken exactly as stock takes it; ``None`` for stock's."""
         q_fp8, _, _, _, _, _, max_model_len = args
         out = self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
         try:
@@ -434,30 +532,24 @@ class FlyDSLRouter:
         except Exception as e:  # noqa: BLE001 - a kernel that fails sends its shape to stock
             self._shape_failed(route, f"raised {type(e).__name__}: {e}")
             return None
-        if not route.ready:
-            self._settle(route)
+        if not route.ready and not self.is_capturing():
+            # Compiled outside capture: announced once, and fast from now on.
+            self.compiled.add(route.config)
+            route.ready = True
+            tested = "; self-test passed" if self.self_tests.get(route.test_key, "") is None else ""
+            log_once(
+                self.logger,
+                logging.INFO,
+                "%s FlyDSL taken for %s (caller %s; %s%s%s)",
+                HEAD,
+                route.config.describe(),
+                route.caller or "unknown",
+                self.variant.location,
+                route.note,
+                tested,
+            )
         self.calls_taken += 1
         return out
-
-    def _settle(self, route: Route) -> None:
-        """After a route's successful launch outside capture: compiled, announced, fast from now on."""
-        if self.is_capturing():
-            return
-        config = route.config
-        self.compiled.add(config)
-        route.ready = True
-        tested = "; self-test passed" if self.self_tests.get(route.test_key, "") is None else ""
-        log_once(
-            self.logger,
-            logging.INFO,
-            "%s FlyDSL taken for %s (caller %s; %s%s%s)",
-            HEAD,
-            config.describe(),
-            route.caller or "unknown",
-            self.variant.location,
-            route.note,
-            tested,
-        )
 
     def _router_failed(
         self, error: Exception, key: tuple | None, route: Route | None, q_fp8: object, kv_cache: object
@@ -494,11 +586,9 @@ class FlyDSLRouter:
     def _verified_call(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
         """The canary: both arms on this call's live inputs, compared on a sample of rows.
 
-        Stock runs first; only the rows of :func:`canary_sequences` are copied (a
-        few MB at most). FlyDSL then runs into the same buffer filled with NaN,
-        so a column it fails to write shows as NaN inside a read window. The
-        rows are compared one sequence at a time. On disagreement this shape
-        stays stock and stock runs again for this call's answer.
+        Stock runs first; only the rows of :func:`canary_sequences` are copied (a few MB at most).
+        FlyDSL then runs into the same buffer filled with NaN, so a column it fails to write shows as
+        NaN inside a read window. On disagreement this shape stays stock and stock runs again.
         """
         q_fp8, _, _, context_lens, _, _, max_model_len = args
         batch, next_n = q_fp8.shape[:2]
@@ -509,7 +599,7 @@ class FlyDSLRouter:
         out = self._launch(route, args)
         if out is None:
             return None
-        ends = read_window_ends(context_lens, batch * next_n, next_n)
+        ends = selftest.read_window_ends(context_lens, batch * next_n, next_n)
         problem = None
         for i, b in enumerate(sequences):
             rows = slice(b * next_n, (b + 1) * next_n)
@@ -518,38 +608,11 @@ class FlyDSLRouter:
                 break
         if problem is None:
             self.logger.info(
-                "%s verify-on-enable canary passed for %s (%s)",
+                "%s verify-on-enable canary passed for %s (arms agree inside the read windows)",
                 HEAD,
                 route.describe(),
-                "arms agree inside the read windows",
             )
             return out
         self.calls_taken -= 1
         self._shape_failed(route, f"and stock {DISAGREE_LINE} in the canary: {problem}")
         return None
-
-
-# The canary compares at most this many logits rows' bytes (whole sequences, at least one).
-CANARY_BYTES = 4 << 20
-
-
-def canary_sequences(batch: int, next_n: int, max_model_len: int) -> list[int]:
-    """The sequences whose rows the canary compares, spread from the first to the last.
-
-    As many as fit in :data:`CANARY_BYTES` of float32 rows, at least one.
-    """
-    fit = min(batch, max(1, CANARY_BYTES // (4 * max_model_len * next_n)))
-    if fit == 1:
-        return [0]
-    return sorted({round(i * (batch - 1) / (fit - 1)) for i in range(fit)})
-
-
-@functools.cache
-def _stack_versions() -> str:
-    """``flydsl X, aiter Y`` from the installed distributions ("unknown" if absent); read once, lazily."""
-
-    def version(distributions: tuple[str, ...]) -> str:
-        found = installed_version(distributions)
-        return found[0] if found else "unknown"
-
-    return f"flydsl {version(('flydsl',))}, aiter {version(AITER_DISTRIBUTIONS)}"

@@ -1,35 +1,142 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The self-test: FlyDSL itself proves itself against stock, once per shape, before a call depends on it.
+"""The self-test: FlyDSL proves itself against stock, once per shape, before a call depends on it.
 
-The router runs :func:`run` the first time it would launch a shape (heads,
-head_dim, KVBlockSize, next_n and the bounds' kind: one length per sequence, or
-vLLM's ``(B, next_n)`` table) outside graph capture; vLLM's eager warm-up does
-this before it captures, and with breakable graphs the op's first eager run
-does. Not per batch size, not per SplitKV: the launches cover the knob's
-range instead (SplitKV 1 and the largest any live launch of the shape can
-reach, clamped to this problem's pages, as FlyDSL clamps it), and they run
-FlyDSL itself (with aiter's dispatcher, forced through its own
-``run_paged_mqa_logits``), never a kernel chosen for it.
+The router runs :func:`run` the first time it would launch a shape (heads, head_dim, KVBlockSize,
+next_n and the kind of bounds: one length per sequence, or vLLM's ``(B, next_n)`` table) outside graph
+capture: in vLLM's eager warm-up before it captures, or at the op's first eager run with breakable
+graphs. Not per batch, not per SplitKV: its launches cover the knob's range (SplitKV 1 and the largest
+a live launch of the shape reaches), and they run FlyDSL itself, never a kernel chosen for it.
+:func:`synthetic` builds the small problem: four sequences (empty, a partial block, whole blocks,
+several blocks), finite fp8 values and positive scales everywhere the kernels read, well under
+:data:`MAX_BYTES` whatever the served ``max_model_len``.
 
-:func:`synthetic` builds a small problem of that shape on the call's device:
-four sequences whose lengths cover an empty sequence, a partial block and
-several blocks; for ``next_n > 1`` vLLM's native ``(B, next_n)`` bounds; finite
-fp8 values and positive finite scales everywhere the kernels read (both arms
-read the same bytes, so the cache layout's shuffle does not matter). Its
-``max_model_len`` is a few blocks, so the self-test costs well under
-:data:`MAX_BYTES` whatever the served ``max_model_len`` is. Imports no vLLM.
+**The agreement rule** (:func:`compare_in_windows`), which the self-test, the canary, ``check`` and
+``bench`` share, inside the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) /
+sum(x^2 + y^2) < 1e-3`` over the finite entries (exact equality between reference contracts); identical
+top-k index sets. Imports no vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import SCALE_BYTES
+from vllm_flydsl_indexer.target import INDEX_TOPK, SCALE_BYTES
 
-__all__ = ["MAX_BYTES", "SEED", "run", "synthetic", "synthetic_lengths", "width"]
+__all__ = [
+    "Agreement", "CHUNK_ELEMENTS", "DEFAULT_TOPK", "MAX_BYTES", "REAL_KERNEL_TOLERANCE", "SEED",
+    "compare_in_windows", "make_verifier", "read_window_ends", "run", "synthetic",
+    "synthetic_lengths", "width",
+]  # fmt: skip
+
+REAL_KERNEL_TOLERANCE = 1e-3
+DEFAULT_TOPK = INDEX_TOPK
+
+
+def read_window_ends(context_lens: torch.Tensor, rows: int, next_n: int) -> torch.Tensor:
+    """Exclusive end of the columns vLLM's consumers read, per logits row: ``bounds.reshape(-1)`` where it
+    holds one entry per row, else one entry per sequence repeated ``next_n`` times (V4.1's selection)."""
+    flat = context_lens.reshape(-1).to(torch.int64)
+    if flat.numel() != rows:
+        flat = flat.repeat_interleave(next_n)
+    return flat.clamp_min(0)
+
+
+@dataclass
+class Agreement:
+    rows: int
+    read_columns: int
+    max_rel_diff: float
+    mask_equal: bool
+    topk_equal: bool
+    nan_free: bool
+
+    def within(self, tolerance: float) -> bool:
+        """The relative difference is inside the rule (exactly 0 when ``tolerance`` is 0)."""
+        return self.max_rel_diff == 0.0 if tolerance == 0 else self.max_rel_diff < tolerance
+
+    def ok(self, tolerance: float) -> bool:
+        return self.mask_equal and self.topk_equal and self.nan_free and self.within(tolerance)
+
+    def describe(self) -> str:
+        return (
+            f"max rel diff {self.max_rel_diff:.3e}, -inf mask "
+            f"{'identical' if self.mask_equal else 'DIFFERENT'}, top-k "
+            f"{'identical' if self.topk_equal else 'DIFFERENT'}"
+            f"{'' if self.nan_free else ', NaN or unwritten values read'}"
+        )
+
+
+# Logits entries the comparison handles at once (whole rows, at least one): bounds its temporaries.
+CHUNK_ELEMENTS = 1 << 16
+
+
+def compare_in_windows(
+    expected: torch.Tensor, actual: torch.Tensor, ends: torch.Tensor, topk: int = DEFAULT_TOPK
+) -> Agreement:
+    """Compare two logits buffers over ``[0, ends[r])`` of every row ``r``, a chunk of rows at a time
+    (:data:`CHUNK_ELEMENTS`: bounded memory), one host sync at the end. Rows whose window holds only
+    ``-inf`` or nothing count as equal."""
+    rows, width = expected.shape
+    device = expected.device
+    ends = ends.to(device).clamp(0, width)
+    cols = torch.arange(width, device=device).view(1, -1)
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    k = min(topk, width)
+    found_nan = torch.zeros((), dtype=torch.bool, device=device)
+    mask_differs = torch.zeros((), dtype=torch.bool, device=device)
+    topk_differs = torch.zeros((), dtype=torch.bool, device=device)
+    max_rel = torch.zeros((), dtype=torch.float64, device=device)
+    neg_inf = float("-inf")
+    for start in range(0, rows, step):
+        e = expected[start : start + step].float()
+        a = actual[start : start + step].float()
+        end = ends[start : start + step].view(-1, 1)
+        inside = cols < end
+        found_nan |= ((torch.isnan(e) | torch.isnan(a)) & inside).any()
+        mask_differs |= ((torch.isneginf(e) != torch.isneginf(a)) & inside).any()
+        finite = inside & torch.isfinite(e) & torch.isfinite(a)
+        x = torch.where(finite, e, 0.0).double()
+        y = torch.where(finite, a, 0.0).double()
+        cross = (x * y).sum(dim=1)
+        norms = (x * x + y * y).sum(dim=1)
+        del x, y
+        # 1 - 2*sum(xy) / sum(x^2 + y^2) per row; a zero denominator means both rows are all zero.
+        rel = torch.where(norms > 0, 1 - 2 * cross / norms.clamp_min(1e-300), 0.0)
+        max_rel = torch.maximum(max_rel, rel.max())
+        if k == 0:
+            continue
+        # Each row's top min(topk, window) columns, NaN read as -inf, as index sets.
+        er = torch.where(inside, torch.nan_to_num(e, nan=neg_inf), neg_inf)
+        ar = torch.where(inside, torch.nan_to_num(a, nan=neg_inf), neg_inf)
+        ev, ei = er.topk(k, dim=1)
+        av, ai = ar.topk(k, dim=1)
+        del er, ar
+        taken = torch.arange(k, device=device).view(1, -1) < end.clamp_max(k)
+        eset = torch.where(taken & torch.isfinite(ev), ei, -1).sort(dim=1).values
+        aset = torch.where(taken & torch.isfinite(av), ai, -1).sort(dim=1).values
+        topk_differs |= (eset != aset).any()
+    return Agreement(
+        rows=rows,
+        read_columns=int(ends.sum()),
+        max_rel_diff=float(max_rel),
+        mask_equal=not bool(mask_differs),
+        topk_equal=not bool(topk_differs),
+        nan_free=not bool(found_nan),
+    )
+
+
+def make_verifier(tolerance: float = REAL_KERNEL_TOLERANCE, topk: int = DEFAULT_TOPK):
+    """The canary's judge: ``verify(stock_rows, flydsl_rows, ends) -> None | what differed``."""
+
+    def verify(stock: torch.Tensor, flydsl: torch.Tensor, ends: torch.Tensor) -> str | None:
+        result = compare_in_windows(stock, flydsl, ends, topk)
+        return None if result.ok(tolerance) else result.describe()
+
+    return verify
+
 
 # What one self-test may allocate, inputs and both outputs included (tests/test_selftest.py holds it).
 MAX_BYTES = 4 << 20
@@ -61,12 +168,9 @@ def synthetic(
     per_row_bounds: bool,
     device: torch.device,
 ) -> tuple:
-    """``rocm_fp8_paged_mqa_logits``'s positional arguments for a small problem of this configuration.
-
-    Drawn on the CPU from a fixed seed (vLLM's device RNG is left alone), then
-    copied to ``device``. ``per_row_bounds``: vLLM's ``(B, next_n)`` bounds
-    ``[b, j] = max(0, L_b - next_n + j + 1)``, else one length per sequence ``(B,)``.
-    """
+    """The target's positional arguments for a small problem of this shape, drawn on the CPU from a fixed
+    seed (vLLM's device RNG is left alone). ``per_row_bounds``: vLLM's ``(B, next_n)`` bounds
+    ``[b, j] = max(0, L_b - next_n + j + 1)``, else one length per sequence."""
     gen = torch.Generator().manual_seed(SEED)
     lengths = torch.tensor(synthetic_lengths(block_size, next_n), dtype=torch.int64)
     batch = lengths.numel()
@@ -100,16 +204,13 @@ def run(
     launches: dict[str, Callable[[tuple, torch.Tensor], object]],
     live: tuple[int, int] = (0, 0),
 ) -> str | None:
-    """Stock, then each FlyDSL launch, on the synthetic ``args``: ``None`` when every launch agrees.
+    """Stock, then each FlyDSL launch, on the synthetic ``args``: ``None`` when every launch agrees, else
+    what differed. Raises what an arm raises.
 
-    ``stock(args)`` is vLLM's original, which takes its output from vLLM's
-    workspace (``stock_buffer(rows, max_model_len)`` is that same view, poisoned
-    first); its small answer is copied out and the workspace bytes it used are
-    put back, so the live call's output, obtained after from the same workspace,
-    finds it as it was. Each of ``launches`` (``{name: launch(args, out)}``)
-    writes a buffer of its own, poisoned with NaN, and must agree with stock
-    and write exactly the columns the consumers read. Else a message naming the
-    launch and what differed. Raises what an arm raises.
+    ``stock(args)`` is vLLM's original, which writes vLLM's workspace (``stock_buffer(rows,
+    max_model_len)``, poisoned first); its answer is copied out and the workspace bytes put back, so the
+    live call's output finds them as they were. Each of ``launches`` (``{name: launch(args, out)}``)
+    writes its own NaN-poisoned buffer and must agree with stock and write exactly the columns read.
     """
     q_fp8, _, _, context_lens, _, _, max_model_len = args
     batch, next_n = q_fp8.shape[:2]

@@ -1,47 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""A measured per-shape choice between FlyDSL and stock, in aiter's tuned-CSV format.
+"""The measured per-shape choice between FlyDSL and stock, in aiter's tuned-CSV format.
 
-aiter's tuned dispatcher (aiter PR #6140, ``aiter/paged_mqa_logits.py``) reads
-``paged_mqa_logits_tuned.csv`` with the columns of :data:`COLUMNS` and picks
-Gluon or FlyDSL per shape, with that row's knobs. When the installed aiter has
-that dispatcher, the plugin routes through it and its table decides. When aiter
-has a FlyDSL kernel but no dispatcher, this module gives the plugin the same
-choice, and the same launch, from the same kind of file:
+Where aiter has its tuned dispatcher, its own table decides. Otherwise this module gives the plugin the
+same choice and the same launch from the same kind of file (``docs/aiter-kernels.md``, "The tuned table"):
 
-* **Where from** (:func:`table_source`), first found: ``$VLLM_FLYDSL_INDEXER_TUNED_CSV``
-  if set (trimmed; ``none``, ``off``, ``0`` or ``false`` turn every table off: FlyDSL wherever
-  eligible, the A/B of the kernel alone); else the table the installed aiter ships
-  (``aiter/configs/paged_mqa_logits_tuned.csv``); else the **built-in** table,
-  for the kernel it was measured on only (:data:`BUILTIN`: aiter's published
-  table, AMD's MI355X measurements of the ``gfx950`` kernel); else none. The
-  first usable one replaces the others: tables are never merged. A file that
-  cannot be used (below) falls to the next source, with one WARNING naming
-  both (:func:`resolve`). Read once per process, when the plugin registers.
-* **Lookup, as aiter's:** the rows of this GPU (``gfx`` and ``cu_num``) and
-  this shape (``next_n``, ``heads``, ``head_dim``, ``kv_block_size``,
-  ``preshuffle``); of those, the largest tuned ``batch_size`` at or below the
-  call's batch. Several rows of that batch (older tables kept one per
-  ``context_len``) must all say ``flydsl`` with one ``wg_per_cu`` for FlyDSL: a
-  table never sends a shape to FlyDSL that one of its own measurements found
-  slower, nor launches a knob that one of them did not measure.
-* **The knob:** a FlyDSL row's ``wg_per_cu`` is what aiter's dispatcher turns
-  into ``SplitKV = max(1, min(pages, ceil(CUs * wg_per_cu / batch)))``; ``0``
-  means the kernel's default launch (aiter's ``FLYDSL_DEFAULT_WG_PER_CU`` 3 for
-  the gfx950 kernel). The router launches exactly that
-  (:meth:`~vllm_flydsl_indexer.kernels.KernelVariant.launch_kwargs`); a kernel
-  whose launch cannot take the row's knob keeps the call stock. A Gluon row's
-  ``ChunkK``/``WavePerEU`` are informational here: stock is called unchanged.
-* **Not covered** (no row for the shape, or only larger batches): the switch
-  keeps its meaning, FlyDSL where eligible, with the kernel's default launch.
-* **Bad file:** one validator (:func:`check_row`) for every column of every
-  row, whatever its gfx: unreadable, a missing column or a bad value anywhere
-  gives one WARNING naming the file, line and column, and the next source in use;
-  the table is ignored as a whole, never read in part. No row for this GPU's arch likewise. Rows of
-  the right arch but another CU count are dropped by the router with one
-  WARNING at the first call on the device.
-
-The decision reads shapes only (a decode graph fixes batch and ``next_n``)
-and is memoised with the router's verdict, so it costs the hot path nothing.
+* **Where from** (:func:`table_source`), the first found replacing the rest, read once at registration:
+  ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` (one of :data:`OFF_VALUES`: no table); the table the installed aiter
+  ships; the **built-in** one (:data:`BUILTIN`, AMD's MI355X measurements), for the kernel it was
+  measured on only; else none. A file that cannot be used falls to the next, with one WARNING.
+* **Lookup, as aiter's:** this GPU's rows (``gfx``, ``cu_num``) and shape; of those, the largest tuned
+  ``batch_size`` at or below the call's. That bucket's rows must all say ``flydsl`` with one
+  ``wg_per_cu`` for FlyDSL, launched as aiter's dispatcher turns it into SplitKV (``0``: the default).
+* **Not covered:** FlyDSL where eligible, at the default launch. **Bad file:** one validator
+  (:func:`check_row`) for every row whatever its gfx; the table is used whole or not at all.
 """
 
 from __future__ import annotations
@@ -57,33 +28,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from vllm_flydsl_indexer import envs, files
-from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
-from vllm_flydsl_indexer.envs import ACCEPTED, parse_bool
-from vllm_flydsl_indexer.target import Call, RouterView
+from vllm_flydsl_indexer.envs import ACCEPTED, TABLE_IGNORED_LINE, parse_bool
 
 __all__ = [
-    "BUILTIN",
-    "COLUMNS",
-    "KEY_COLUMNS",
-    "OFF",
-    "OFF_VALUES",
-    "Pick",
-    "TableError",
-    "TunedRow",
-    "TableSource",
-    "TunedTable",
-    "check_row",
-    "describe",
-    "load",
-    "read",
-    "read_rows",
-    "read_table",
-    "pick_for",
-    "in_use",
-    "resolve",
-    "table_source",
-    "where",
-]
+    "BUILTIN", "COLUMNS", "COMMENT", "CONTEXT_LEN_SEPARATOR", "KEY_COLUMNS", "OFF", "OFF_VALUES", "Pick",
+    "TableError", "TableSource", "TunedRow", "TunedTable", "arch_of", "check_row", "env_source",
+    "ignored_text", "in_use", "load", "load_source", "parse", "read", "read_rows", "read_table", "resolve",
+    "table_source", "where",
+]  # fmt: skip
 
 COLUMNS = (
     "gfx",
@@ -219,10 +171,9 @@ def _int(text: str, least: int) -> int:
         raise ValueError(f"{text!r} is not an integer") from None
     if not math.isfinite(number) or number != int(number):
         raise ValueError(f"{text!r} is not an integer")
-    value = int(number)
-    if value < least:
-        raise ValueError(f"{value} is not {'positive' if least == 1 else f'>= {least}'}")
-    return value
+    if int(number) < least:
+        raise ValueError(f"{int(number)} is not {'positive' if least == 1 else f'>= {least}'}")
+    return int(number)
 
 
 def _time(text: str, optional: bool) -> float | None:
@@ -244,11 +195,17 @@ def _context_lens(text: str) -> list[int]:
     return [_int(part.strip(), 1) for part in parts]
 
 
-def _cell(row: dict[str, str | None], column: str) -> str:
-    value = row.get(column)
+def _bool(text: str) -> bool:
+    value = parse_bool(text)
     if value is None:
-        raise ValueError("is missing (the row is short)")
-    return value.strip()
+        raise ValueError(f"{text!r} is not {'/'.join(ACCEPTED)}")
+    return value
+
+
+def _backend(text: str) -> str:
+    if text.lower() not in BACKENDS:
+        raise ValueError(f"{text!r} is not flydsl or gluon")
+    return text.lower()
 
 
 def check_row(row: dict[str, str | None]) -> TunedRow:
@@ -258,34 +215,29 @@ def check_row(row: dict[str, str | None]) -> TunedRow:
     call can match (``preshuffle`` other than ``kv_block_size > 1``) is refused, not kept unreachable.
     """
 
-    def cell(column: str) -> str:
+    def checked(column: str, parse=str):
+        value = row.get(column)
         try:
-            return _cell(row, column)
-        except ValueError as e:
-            raise ValueError(f"column {column}: {e}") from None
-
-    def checked(column: str, parse):
-        text = cell(column)
-        try:
-            return parse(text)
+            if value is None:
+                raise ValueError("is missing (the row is short)")
+            return parse(value.strip())
         except ValueError as e:
             raise ValueError(f"column {column}: {e}") from None
 
     if None in row:  # csv.DictReader puts a long row's extra cells under the key None
+        extra = len(row[None])  # type: ignore[arg-type]
         raise ValueError(
-            f"after column {COLUMNS[-1]}: {len(row[None])} more cell(s) "
-            f"than the header's {len(row) - 1} columns"
+            f"after column {COLUMNS[-1]}: {extra} more cell(s) than the header's {len(row) - 1} columns"
         )
-    gfx = arch_of(cell("gfx"))
+    gfx = arch_of(checked("gfx"))
     if not gfx:
         raise ValueError("column gfx: is empty")
     sizes = [checked(c, lambda t: _int(t, 1)) for c in SIZE_COLUMNS]
-    preshuffle = checked("preshuffle", _bool)
-    kvb = sizes[SIZE_COLUMNS.index("kv_block_size")]
+    preshuffle, kvb = checked("preshuffle", _bool), sizes[-1]
     if preshuffle != (kvb > 1):  # the lookup reads preshuffle off the call's KVBlockSize: no call matches
         raise ValueError(
-            f"column preshuffle: {cell('preshuffle')!r} with kv_block_size {kvb}: no call can match this row "
-            f"(vLLM's calls are preshuffled exactly when KVBlockSize > 1, so {int(kvb > 1)} here)"
+            f"column preshuffle: {checked('preshuffle')!r} with kv_block_size {kvb}: no call can match this "
+            f"row (vLLM's calls are preshuffled exactly when KVBlockSize > 1, so {int(kvb > 1)} here)"
         )
     checked("context_len", _context_lens)
     backend = checked("backend", _backend)
@@ -295,45 +247,18 @@ def check_row(row: dict[str, str | None]) -> TunedRow:
             raise ValueError(f"column {column}: {knobs[column]} is not positive (a {backend} row's knob)")
     for column in TIME_COLUMNS:
         checked(column, lambda t, c=column: _time(t, c in OPTIONAL_TIME_COLUMNS))
-    key = (sizes[0], sizes[1], sizes[2], sizes[3], sizes[4], sizes[5], preshuffle)
     text = {c: (row.get(c) or "") for c in COLUMNS}
-    return TunedRow(gfx, key, backend, knobs["wg_per_cu"] if backend == "flydsl" else 0, text)
+    return TunedRow(
+        gfx, (*sizes, preshuffle), backend, knobs["wg_per_cu"] if backend == "flydsl" else 0, text
+    )
 
 
-def _bool(text: str) -> bool:
-    value = parse_bool(text)
-    if value is None:
-        raise ValueError(f"{text!r} is not {'/'.join(ACCEPTED)}")
-    return value
+def read_table(lines: Iterable[str], source: str) -> tuple[list[str], list[TunedRow], list[tuple[int, str]]]:
+    """An aiter-format CSV as read: its header, every row validated, and its ``#`` lines with their
+    places (rows before each; -1: before the header). Raises :class:`TableError` at the first bad row.
 
-
-def _backend(text: str) -> str:
-    backend = text.lower()
-    if backend not in BACKENDS:
-        raise ValueError(f"{text!r} is not flydsl or gluon")
-    return backend
-
-
-class NotATable(TableError):
-    """The file's header lacks aiter's columns: not an aiter-format tuned CSV at all."""
-
-
-@dataclass
-class ParsedTable:
-    """An aiter-format CSV as read: its header, validated rows, and ``#`` lines with their places."""
-
-    header: list[str]
-    rows: list[TunedRow]
-    # (data rows before it, the line as read); -1: before the header.
-    comments: list[tuple[int, str]] = field(default_factory=list)
-
-
-def read_table(lines: Iterable[str], source: str) -> ParsedTable:
-    """Every row of an aiter-format CSV, validated; raises :class:`TableError` at the first bad one.
-
-    One reader for the plugin, doctor and ``bench --tune``: ``#`` lines are skipped (and kept, with
-    their places, for writing the table back), a UTF-8 byte-order mark is dropped, and an error names
-    the line its record starts on (a quoted field may run over several).
+    One reader for the plugin, doctor and ``bench --tune``: a UTF-8 byte-order mark is dropped, and an
+    error names the line its record starts on (a quoted field may run over several).
     """
     comments: list[tuple[int, str]] = []
     header: list[str] = []
@@ -341,13 +266,11 @@ def read_table(lines: Iterable[str], source: str) -> ParsedTable:
 
     def uncommented() -> Iterator[str]:
         for i, line in enumerate(lines):
-            if i == 0:
-                line = line.removeprefix("\ufeff")
+            line = line.removeprefix("\ufeff") if i == 0 else line
             if line.lstrip().startswith(COMMENT):
                 comments.append((len(rows) if header else -1, line.rstrip("\r\n")))
-                yield "\n"
-            else:
-                yield line
+                line = "\n"
+            yield line
 
     reader = csv.reader(uncommented())
     while True:
@@ -360,14 +283,14 @@ def read_table(lines: Iterable[str], source: str) -> ParsedTable:
             raise TableError(f"{source}: line {first}: {e}") from None
         if not cells:  # a blank or comment line
             continue
-        where = f"line {first}" + (
-            f" (a quoted field runs to line {reader.line_num})" if reader.line_num > first else ""
-        )
+        where = f"line {first}"
+        if reader.line_num > first:
+            where += f" (a quoted field runs to line {reader.line_num})"
         if not header:
             header = cells
             missing = [c for c in COLUMNS if c not in header]
             if missing:
-                raise NotATable(f"{source}: {where}: missing column(s) {', '.join(missing)}")
+                raise TableError(f"{source}: {where}: missing column(s) {', '.join(missing)}")
             continue
         row: dict[str | None, object] = dict(zip(header, cells, strict=False))
         if len(cells) > len(header):
@@ -377,13 +300,13 @@ def read_table(lines: Iterable[str], source: str) -> ParsedTable:
         except ValueError as e:
             raise TableError(f"{source}: {where}, {e}") from None
     if not header:
-        raise NotATable(f"{source}: missing column(s) {', '.join(COLUMNS)} (no header)")
-    return ParsedTable(header, rows, comments)
+        raise TableError(f"{source}: missing column(s) {', '.join(COLUMNS)} (no header)")
+    return header, rows, comments
 
 
 def read_rows(lines: Iterable[str], source: str) -> list[TunedRow]:
     """Every row of an aiter-format CSV, validated (:func:`read_table`)."""
-    return read_table(lines, source).rows
+    return read_table(lines, source)[1]
 
 
 @dataclass
@@ -409,29 +332,25 @@ class TunedTable:
     def choice(
         self, cus: int, batch: int, next_n: int, heads: int, head_dim: int, block_size: int
     ) -> Pick | None:
-        """The table's :class:`Pick` for the call, or ``None`` when it does not cover it (memoised)."""
+        """The table's :class:`Pick` for the call, or ``None`` where it does not cover it (memoised)."""
         args = (cus, batch, next_n, heads, head_dim, block_size)
-        if args not in self._picks:
-            self._picks[args] = self._choice(*args)
-        return self._picks[args]
-
-    def _choice(
-        self, cus: int, batch: int, next_n: int, heads: int, head_dim: int, block_size: int
-    ) -> Pick | None:
-        buckets = self.shapes.get((cus, next_n, heads, head_dim, block_size, block_size > 1))
-        if not buckets:
-            return None
+        if args in self._picks:
+            return self._picks[args]
+        pick = None
+        buckets = self.shapes.get((cus, next_n, heads, head_dim, block_size, block_size > 1), {})
         tuned = [b for b in buckets if b <= batch]
-        if not tuned:
-            return None
-        bucket = max(tuned)
-        measured = buckets[bucket]
-        if any(backend != "flydsl" for backend, _ in measured):
-            return Pick("gluon", bucket, 0)
-        knobs = sorted({knob for _, knob in measured})
-        if len(knobs) > 1:
-            return Pick("flydsl", bucket, knobs[0], f"its FlyDSL rows disagree on wg_per_cu ({knobs})")
-        return Pick("flydsl", bucket, knobs[0])
+        if tuned:
+            bucket = max(tuned)
+            measured = buckets[bucket]
+            knobs = sorted({knob for _, knob in measured})
+            if any(backend != "flydsl" for backend, _ in measured):
+                pick = Pick("gluon", bucket, 0)
+            elif len(knobs) > 1:
+                pick = Pick("flydsl", bucket, knobs[0], f"its FlyDSL rows disagree on wg_per_cu ({knobs})")
+            else:
+                pick = Pick("flydsl", bucket, knobs[0])
+        self._picks[args] = pick
+        return pick
 
     @classmethod
     def of(cls, rows: Iterable[TunedRow], source: str, gfx: str) -> TunedTable:
@@ -440,12 +359,11 @@ class TunedTable:
         total = 0
         for row in rows:
             total += 1
-            if row.gfx != gfx:
-                continue
-            table.shapes.setdefault(row.shape, {}).setdefault(row.batch, []).append(
-                (row.backend, row.wg_per_cu)
-            )
-            table.rows += 1
+            if row.gfx == gfx:
+                table.shapes.setdefault(row.shape, {}).setdefault(row.batch, []).append(
+                    (row.backend, row.wg_per_cu)
+                )
+                table.rows += 1
         if total == 0:
             raise TableError(f"{source}: no rows")
         if table.rows == 0:
@@ -459,12 +377,9 @@ def parse(lines: Iterable[str], source: str, gfx: str) -> TunedTable:
 
 
 def read(source: str, gfx: str) -> TunedTable:
-    """The table in file ``source`` for ``gfx``; every failure is a :class:`TableError`.
-
-    Whatever the file is (a directory, a FIFO, a device, over the size cap, unreadable,
-    not UTF-8, NUL bytes, an oversize field, empty, a header only), this raises nothing else.
-    """
-    try:  # regular files only, size-capped: a FIFO never hangs
+    """The table in file ``source`` for ``gfx``. Whatever the file is (a directory, a FIFO, a device,
+    over the size cap, not UTF-8, NUL bytes, empty...), every failure is a :class:`TableError`."""
+    try:
         return parse(io.StringIO(files.read_text(source), newline=""), source, gfx)
     except TableError:
         raise
@@ -484,9 +399,7 @@ def _aiter_table() -> str | None:
         spec = importlib.util.find_spec(AITER_TABLE[0])
     except Exception:  # noqa: BLE001 - no aiter, or one that fails to import
         return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
+    for folder in (spec.submodule_search_locations or ()) if spec is not None else ():
         candidate = Path(folder) / AITER_TABLE[1]
         if candidate.is_file():
             return str(candidate)
@@ -494,24 +407,18 @@ def _aiter_table() -> str | None:
 
 
 def table_source(env_value: str | None, variant: str | None) -> TableSource:
-    """The table for the found kernel ``variant``: the variable's, aiter's shipped one, the built-in one
-    (only for the variant it was measured on), or none. The first found replaces the rest; each source
-    names the next (:attr:`TableSource.fallback`), used only when its own file cannot be.
-
-    The variable's value is trimmed; one of :data:`OFF_VALUES` (any case) turns tables off; any other
-    non-empty value names a file.
-    """
+    """The table for the found kernel ``variant``: the variable's (trimmed; one of :data:`OFF_VALUES`,
+    any case: none), aiter's shipped one, the built-in one (for its variant only), or none. Each source
+    names the next (:attr:`TableSource.fallback`), used only where its own file cannot be."""
     value = (env_value or "").strip()
     if value.lower() in OFF_VALUES:
-        return TableSource(
-            None, "off", f"no tuned table ({envs.TUNED_CSV}={value.lower()}): FlyDSL wherever eligible"
-        )
-    chain = TableSource(
-        None,
-        "none",
+        label = f"no tuned table ({envs.TUNED_CSV}={value.lower()}): FlyDSL wherever eligible"
+        return TableSource(None, "off", label)
+    label = (
         f"no measurement for the {variant or 'found'} FlyDSL kernel: FlyDSL wherever eligible "
-        "(vllm-flydsl-indexer bench --tune measures this node)",
+        "(vllm-flydsl-indexer bench --tune measures this node)"
     )
+    chain = TableSource(None, "none", label)
     if variant == BUILTIN.variant:
         chain = TableSource(BUILTIN.path(), "built-in", BUILTIN.label, chain)
     shipped = _aiter_table()
@@ -522,17 +429,16 @@ def table_source(env_value: str | None, variant: str | None) -> TableSource:
     return chain
 
 
-@dataclass(frozen=True)
-class Resolution:
-    """Which source decides after the unusable ones fell through: the source, its table, the skipped."""
-
-    used: TableSource  # the source in use (path None: no table)
-    table: TunedTable | None
-    ignored: tuple[tuple[TableSource, str], ...]  # each unusable source before it, and why
+def env_source(variant: str | None) -> TableSource:
+    """:func:`table_source` from this process's environment."""
+    return table_source(os.environ.get(envs.TUNED_CSV), variant)
 
 
-def resolve(source: TableSource, gfx: str) -> Resolution:
-    """Read ``source`` for ``gfx``; a file that cannot be used falls to the next source. Never raises."""
+def resolve(
+    source: TableSource, gfx: str
+) -> tuple[TableSource, TunedTable | None, list[tuple[TableSource, str]]]:
+    """Read ``source`` for ``gfx``, a file that cannot be used falling to the next source: the source in
+    use (path ``None``: no table), its table, and each unusable source before it with why. Never raises."""
     ignored: list[tuple[TableSource, str]] = []
     current: TableSource | None = source
     while current is not None and current.path is not None:
@@ -544,28 +450,27 @@ def resolve(source: TableSource, gfx: str) -> Resolution:
             continue
         table.origin, table.label = current.origin, current.label
         table.source = current.name or table.source
-        return Resolution(current, table, tuple(ignored))
-    return Resolution(current or source, None, tuple(ignored))
+        return current, table, ignored
+    return current or source, None, ignored
 
 
-def ignored_text(resolution: Resolution) -> list[str]:
+def ignored_text(used: TableSource, ignored: list[tuple[TableSource, str]]) -> list[str]:
     """One text per source that could not be used: why, and the source used instead."""
-    used = resolution.used
     then = f"using the {used.label} instead" if used.path is not None else f"no other table: {used.label}"
-    return [f"{why}; {then}" for _, why in resolution.ignored]
+    return [f"{why}; {then}" for _, why in ignored]
 
 
 def load_source(source: TableSource, gfx: str, logger: logging.Logger) -> TunedTable | None:
-    """Read ``source`` for ``gfx`` (:func:`resolve`): ``None`` for no table. A source that cannot be used
-    gets one WARNING naming its file and the source used instead. Never raises."""
-    resolution = resolve(source, gfx)
-    for text in ignored_text(resolution):
+    """Read ``source`` for ``gfx`` (:func:`resolve`): ``None`` for no table, one WARNING for each source
+    that could not be used. Never raises."""
+    used, table, ignored = resolve(source, gfx)
+    for text in ignored_text(used, ignored):
         logger.warning("%s %s", TABLE_IGNORED_LINE, text)
-    return resolution.table
+    return table
 
 
 def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | None:
-    """Read ``source`` for ``gfx``; ``None`` (after one WARNING) when it cannot be used. Never raises."""
+    """Read file ``source`` for ``gfx``; ``None`` (after one WARNING) when it cannot be used. Never raises."""
     if source is None:
         return None
     try:
@@ -576,8 +481,8 @@ def load(source: str | None, gfx: str, logger: logging.Logger) -> TunedTable | N
 
 
 def in_use(source: TableSource, loaded: TunedTable | bool | None) -> str:
-    """What the ACTIVE line says decides per shape: the label of the table loaded (``loaded``, the
-    table :func:`load_source` returned), or, when none could be, the last source's."""
+    """What the ACTIVE line says decides per shape: the label of the table loaded, or, when none could
+    be, the last source's."""
     if isinstance(loaded, TunedTable) and loaded.label:
         return loaded.label
     if source.path is None or loaded:
@@ -586,51 +491,6 @@ def in_use(source: TableSource, loaded: TunedTable | bool | None) -> str:
     while last.fallback is not None:
         last = last.fallback
     return f"{source.label} ignored, {last.label}"
-
-
-def env_source(variant: str | None) -> TableSource:
-    """:func:`table_source` from this process's environment."""
-    return table_source(os.environ.get(envs.TUNED_CSV), variant)
-
-
-def describe(table: TunedTable) -> list[dict[str, object]]:
-    """Per shape and CU count, the arm (and FlyDSL knob) of each batch bucket (for ``doctor``)."""
-    out = []
-    for (cus, next_n, heads, head_dim, block_size, preshuffle), buckets in sorted(table.shapes.items()):
-        entries = []
-        for batch in sorted(buckets):
-            pick = table.choice(cus, batch, next_n, heads, head_dim, block_size)
-            if pick is None or pick.bucket != batch:  # unreachable for a table check_row passed
-                entries.append({"batch_at_least": batch, "arm": "stock", "why": "no call matches"})
-                continue
-            entry: dict[str, object] = {
-                "batch_at_least": batch,
-                "arm": "flydsl" if pick.backend == "flydsl" and pick.conflict is None else "stock",
-            }
-            if pick.backend == "flydsl":
-                entry["wg_per_cu"] = pick.wg_per_cu
-            entries.append(entry)
-        out.append(
-            {
-                "cu_num": cus,
-                "next_n": next_n,
-                "heads": heads,
-                "head_dim": head_dim,
-                "kv_block_size": block_size,
-                "preshuffle": preshuffle,
-                "buckets": entries,
-            }
-        )
-    return out
-
-
-def pick_for(call: Call, router: RouterView, cus: int) -> Pick | None:
-    """The router's table's :class:`Pick` for this call on a GPU of ``cus`` CUs, or ``None``."""
-    table = router.table
-    if table is None:
-        return None
-    batch, next_n, heads, head_dim = call.q_fp8.shape
-    return table.choice(cus, batch, next_n, heads, head_dim, call.kv_cache.shape[1])
 
 
 def where(table: TunedTable, pick: Pick, cus: int) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 # The plugin's own names: the scripts must set the variables the plugin reads, and grep
 # the heads of the lines it logs.
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer._logging import TABLE_IGNORED_LINE
+from vllm_flydsl_indexer.envs import TABLE_IGNORED_LINE
 
 name = Path(sys.argv[0]).name
 argv = sys.argv[1:]

@@ -282,7 +282,7 @@ def _kernel_names(module) -> list[str]:
 
 def _find_variant():
     """The first FlyDSL kernel module of the checkout, identified by the plugin's own rules."""
-    from vllm_flydsl_indexer import identification
+    from vllm_flydsl_indexer import kernels as identification
 
     problems = []
     for path in identification.KERNEL_MODULES:

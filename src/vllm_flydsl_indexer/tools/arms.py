@@ -24,12 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer._logging import get_logger
-from vllm_flydsl_indexer.callers import DEFINING_MODULE
-from vllm_flydsl_indexer.identification import find_kernel
-from vllm_flydsl_indexer.kernels import KernelVariant, Limits
+from vllm_flydsl_indexer.envs import get_logger
+from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import StockHooks
+from vllm_flydsl_indexer.target import DEFINING_MODULE, StockHooks
 from vllm_flydsl_indexer.tools.reference import (
     GENERAL,
     VARIANT_CONTRACTS,
@@ -177,7 +175,7 @@ def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
     return Arms(
         True,
         f"real kernels: aiter Gluon vs aiter FlyDSL ({lookup.variant.name})",
-        f"{where}, {lookup.location}",
+        f"{where}, {lookup.variant.location}",
         gluon,
         lookup.variant.fn,
         lookup.variant,

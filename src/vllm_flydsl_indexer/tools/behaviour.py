@@ -51,14 +51,14 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer import selftest, tuning
-from vllm_flydsl_indexer.agreement import (
+from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, cu_count
+from vllm_flydsl_indexer.router import FlyDSLRouter
+from vllm_flydsl_indexer.selftest import (
     REAL_KERNEL_TOLERANCE,
     compare_in_windows,
     make_verifier,
     read_window_ends,
 )
-from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, cu_count
-from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools.arms import (
     Workspace,

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools import cases, settings
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, detect_arms, raw_launch

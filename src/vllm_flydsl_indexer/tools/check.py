@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.identification import KernelLookup, find_kernel
+from vllm_flydsl_indexer.kernels import KernelLookup, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter, describe_configuration
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.tools import behaviour, settings
 from vllm_flydsl_indexer.tools.arms import Arms, detect_arms, variant_order
 from vllm_flydsl_indexer.tools.cases import (

@@ -11,8 +11,7 @@ import argparse
 import os
 import sys
 
-from vllm_flydsl_indexer import files
-from vllm_flydsl_indexer.tools import cli_args, settings
+from vllm_flydsl_indexer.tools import cli_args, outputs, settings
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow, terminate_as_interrupt
 
 __all__ = [
@@ -49,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(
             "bench",
             help="A/B benchmark of the decode logits",
-            description=f"A/B benchmark of the decode logits. Outputs: {files.OUTPUT_RULE}. "
+            description=f"A/B benchmark of the decode logits. Outputs: {outputs.OUTPUT_RULE}. "
             f"{settings.STOP_BENCH}",
         )
     )

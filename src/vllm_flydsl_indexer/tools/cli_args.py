@@ -24,7 +24,7 @@ import re
 from typing import TYPE_CHECKING, NoReturn
 
 from vllm_flydsl_indexer import files
-from vllm_flydsl_indexer.tools import settings
+from vllm_flydsl_indexer.tools import outputs, settings
 from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS, MODEL_SHAPES
 from vllm_flydsl_indexer.tools.settings import (
     BENCH_ARMS,
@@ -53,7 +53,7 @@ from vllm_flydsl_indexer.tools.settings import (
 )
 
 if TYPE_CHECKING:
-    from vllm_flydsl_indexer.tuning import ParsedTable
+    from vllm_flydsl_indexer.tuning import TunedRow
 
 __all__ = [
     "OUTPUTS",
@@ -218,7 +218,7 @@ def output_path(text: str) -> str:
         raise argparse.ArgumentTypeError(f"directory {directory} does not exist (file {text!r})")
     if not os.access(directory, os.W_OK):
         raise argparse.ArgumentTypeError(f"directory {directory} is not writable (file {text!r})")
-    problem = files.kind_problem(text)
+    problem = outputs.kind_problem(text)
     if problem is not None:
         raise argparse.ArgumentTypeError(problem)
     if os.path.exists(text) and not os.access(text, os.W_OK):
@@ -516,7 +516,9 @@ def tune_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-def tune_file(path: str) -> tuple[ParsedTable | None, str | None]:
+def tune_file(
+    path: str,
+) -> tuple[tuple[list[str], list[TunedRow], list[tuple[int, str]]] | None, str | None]:
     """The table already in ``--tune path`` (``None`` for a new or empty file), and why it cannot be
     merged into (it is not aiter's format or has a row ``tuning.check_row`` refuses), or ``None``.
 
@@ -531,15 +533,14 @@ def tune_file(path: str) -> tuple[ParsedTable | None, str | None]:
             line.strip() and not line.lstrip().startswith(tuning.COMMENT) for line in text.splitlines()
         ):
             return tuning.read_table([*text.splitlines(keepends=True), ",".join(tuning.COLUMNS)], path), None
-        table = tuning.read_table(io.StringIO(text, newline=""), path)
-        if tuple(table.header) != tuning.COLUMNS:
-            raise tuning.NotATable(f"{path}: header {','.join(table.header)}")
-        return table, None
-    except tuning.NotATable as e:
-        return None, (
-            f"argument --tune: {path} is not an aiter-format tuned CSV ({e}; expected the header "
-            f"{','.join(tuning.COLUMNS)}); not overwriting it: give a new, empty or earlier --tune file"
-        )
+        not_a_table = _not_a_table(text, path)
+        if not_a_table is not None:
+            return None, (
+                f"argument --tune: {path} is not an aiter-format tuned CSV ({not_a_table}; expected the "
+                f"header {','.join(tuning.COLUMNS)}); not overwriting it: give a new, empty or earlier "
+                "--tune file"
+            )
+        return tuning.read_table(io.StringIO(text, newline=""), path), None
     except tuning.TableError as e:
         return (
             None,
@@ -552,12 +553,26 @@ def tune_file(path: str) -> tuple[ParsedTable | None, str | None]:
         return None, f"argument --tune: cannot read {path} ({e}); not overwriting it"
 
 
+def _not_a_table(text: str, path: str) -> str | None:
+    """Why ``text``'s header (its first line that is neither blank nor ``#``) is not aiter's, or ``None``."""
+    from vllm_flydsl_indexer import tuning
+
+    for number, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith(tuning.COMMENT):
+            header = next(csv.reader([line]))
+            missing = [c for c in tuning.COLUMNS if c not in header]
+            if missing:
+                return f"{path}: line {number}: missing column(s) {', '.join(missing)}"
+            return None if tuple(header) == tuning.COLUMNS else f"{path}: header {','.join(header)}"
+    return None
+
+
 OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))
 
 
 def output_problem(args: argparse.Namespace) -> str | None:
-    """Every output file, checked for writing now, before the run (:func:`files.outputs_problem`)."""
-    return files.outputs_problem(
+    """Every output file, checked for writing now, before the run (:func:`outputs.outputs_problem`)."""
+    return outputs.outputs_problem(
         (flag, getattr(args, attr)) for attr, flag in OUTPUTS if getattr(args, attr, None)
     )
 

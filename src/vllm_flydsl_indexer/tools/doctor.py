@@ -16,12 +16,13 @@ import textwrap
 from typing import Any
 
 from vllm_flydsl_indexer import envs, files, gates, tuning
-from vllm_flydsl_indexer.identification import AITER_DISTRIBUTIONS, installed_version
 from vllm_flydsl_indexer.kernels import (
+    AITER_DISTRIBUTIONS,
     BLOCK_OUTER_LAYOUTS,
     BLOCK_OUTER_NOTE,
     LAYOUT_VARIABLE,
     KernelVariant,
+    installed_version,
 )
 from vllm_flydsl_indexer.tools.models import (
     MODEL_SHAPES,
@@ -34,6 +35,7 @@ __all__ = [
     "NOT_INSTALLED",
     "PACKAGES",
     "RAY_NON_CARRY_OVER_FILE",
+    "describe",
     "flydsl_requirement_report",
     "kernel_report",
     "layout_report",
@@ -118,22 +120,20 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     env = os.environ if environ is None else environ
     chosen = tuning.table_source(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
-    resolution = tuning.resolve(chosen, gfx)  # the plugin's own reader and fallback: it never raises
+    used, table, skipped = tuning.resolve(chosen, gfx)  # the plugin's own reader and fallback: never raises
     ignored = [
         {"source": source.name, "origin": source.origin, "note": f"IGNORED: {text}"}
-        for (source, _), text in zip(resolution.ignored, tuning.ignored_text(resolution), strict=True)
+        for (source, _), text in zip(skipped, tuning.ignored_text(used, skipped), strict=True)
     ]
-    table = resolution.table
     if table is None:
-        used = resolution.used
         first = ignored[0] if ignored else {"source": used.name, "origin": used.origin, "note": used.label}
         return {
             **first,
             "in_use": tuning.in_use(chosen, None),
             "ignored": ignored,
         }
-    chosen = resolution.used
-    shapes = tuning.describe(table)
+    chosen = used
+    shapes = describe(table)
     for shape in shapes:
         for bucket in shape["buckets"]:
             knob = bucket.get("wg_per_cu")
@@ -164,6 +164,26 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
         "in_use": tuning.in_use(chosen, table),
         "ignored": ignored,
     }
+
+
+def describe(table: tuning.TunedTable) -> list[dict[str, object]]:
+    """Per shape and CU count, the arm (and FlyDSL knob) of each batch bucket."""
+    out = []
+    for (cus, next_n, heads, head_dim, block_size, preshuffle), buckets in sorted(table.shapes.items()):
+        entries = []
+        for batch in sorted(buckets):
+            pick = table.choice(cus, batch, next_n, heads, head_dim, block_size)
+            if pick is None or pick.bucket != batch:  # unreachable for a table check_row passed
+                entries.append({"batch_at_least": batch, "arm": "stock", "why": "no call matches"})
+                continue
+            arm = "flydsl" if pick.backend == "flydsl" and pick.conflict is None else "stock"
+            entry: dict[str, object] = {"batch_at_least": batch, "arm": arm}
+            if pick.backend == "flydsl":
+                entry["wg_per_cu"] = pick.wg_per_cu
+            entries.append(entry)
+        shape = {"cu_num": cus, "next_n": next_n, "heads": heads, "head_dim": head_dim}
+        out.append({**shape, "kv_block_size": block_size, "preshuffle": preshuffle, "buckets": entries})
+    return out
 
 
 def _cu_list(table: tuning.TunedTable) -> str:

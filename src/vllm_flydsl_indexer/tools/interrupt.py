@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import IO, Any
 
-from vllm_flydsl_indexer.files import write_atomic, write_atomic_bytes
+from vllm_flydsl_indexer.tools.outputs import write_atomic, write_atomic_bytes
 from vllm_flydsl_indexer.tools.settings import PROG
 
 __all__ = [

@@ -6,7 +6,7 @@
   (``_ON_GFX950``, aiter enabled, ``paged_mqa_logits_module()`` found). Stock is
   the original ``rocm_fp8_paged_mqa_logits`` function object; the patched path
   is :class:`~vllm_flydsl_indexer.router.FlyDSLRouter` with
-  :func:`~vllm_flydsl_indexer.stock.vllm_stock_hooks`, wrapped by
+  :func:`~vllm_flydsl_indexer.target.vllm_stock_hooks`, wrapped by
   :func:`~vllm_flydsl_indexer.patch.wrap` exactly as serving wraps it, and
   called from the call sites' own modules so the caller rules apply.
 * **The stock copy** everywhere else: this package's copy of vLLM's gfx9 branches (0.33.0 and 0.34.0 alike)
@@ -33,12 +33,18 @@ from types import ModuleType
 import torch
 
 from vllm_flydsl_indexer import envs, patch
-from vllm_flydsl_indexer._logging import get_logger
-from vllm_flydsl_indexer.callers import call_site_in
-from vllm_flydsl_indexer.content import ContentDrift
+from vllm_flydsl_indexer.envs import get_logger
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.stock import StockHooks, vllm_gluon_objection, vllm_stock_hooks
-from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, signature_problem, unpatched
+from vllm_flydsl_indexer.target import (
+    TARGET_MODULE,
+    TARGET_NAME,
+    ContentDrift,
+    GluonQuestion,
+    StockHooks,
+    signature_problem,
+    unpatched,
+    vllm_stock_hooks,
+)
 from vllm_flydsl_indexer.tools.arms import (
     Arms,
     Workspace,
@@ -48,11 +54,34 @@ from vllm_flydsl_indexer.tools.arms import (
 )
 from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
-__all__ = [
-    "Paths",
-    "build_paths",
-    "vllm_target",
-]
+__all__ = ["Paths", "build_paths", "call_site_in", "vllm_gluon_objection", "vllm_target"]
+
+_CALL_SITE = compile(
+    "def call_site(fn, args, kwargs):\n    return fn(*args, **kwargs)\n",
+    "<vllm-flydsl-indexer call site>",
+    "exec",
+)
+
+
+def call_site_in(module: ModuleType) -> Callable[[Callable, tuple, dict], object]:
+    """A function living in ``module`` (its globals are the module's) that calls what it is given.
+
+    ``call_site_in(m)(fn, args, kwargs)`` calls ``fn`` exactly as code in ``m`` would, so the patch
+    sees ``m`` as the caller. It adds no name to ``m``.
+    """
+    namespace: dict[str, object] = {}
+    exec(_CALL_SITE, vars(module), namespace)  # noqa: S102 - a fixed one-line function
+    return namespace["call_site"]  # type: ignore[return-value]
+
+
+def vllm_gluon_objection(
+    target: object, aiter_ops: object = None, compress_ratio: int = 1, block_size: int = 1
+) -> str | None:
+    """Why vLLM's original (module ``target``) would not call aiter's gfx950 Gluon kernel, or ``None``:
+    the router's question (:class:`~vllm_flydsl_indexer.target.GluonQuestion`), asked once."""
+    if aiter_ops is None:
+        from vllm._aiter_ops import rocm_aiter_ops as aiter_ops
+    return GluonQuestion.of(target, aiter_ops)(compress_ratio, block_size)
 
 
 @dataclass

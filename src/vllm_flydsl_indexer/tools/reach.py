@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from vllm_flydsl_indexer import files
-from vllm_flydsl_indexer.callers import (
+from vllm_flydsl_indexer.target import (
     CALL_SITES,
     DEFINING_MODULE,
     FP8_SETTING,
@@ -313,8 +313,8 @@ def c4a_objection(compress_ratio: int, block_size: int) -> str | None:
     """The router's reason when stock sends this ``compress_ratio`` to vLLM's own C4A route on gfx950."""
     import vllm  # noqa: F401 - the target module imports cleanly only after vllm itself
 
-    from vllm_flydsl_indexer.stock import vllm_gluon_objection
     from vllm_flydsl_indexer.target import TARGET_MODULE
+    from vllm_flydsl_indexer.tools.paths import vllm_gluon_objection
 
     module = importlib.import_module(TARGET_MODULE)
     flat = getattr(module, "_indexer_k_is_c4a_block_flat", None)

@@ -54,8 +54,8 @@ from collections.abc import Callable
 import torch
 
 from vllm_flydsl_indexer import tuning
-from vllm_flydsl_indexer.agreement import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.kernels import WORKGROUPS_PER_CU, KernelVariant, cu_count
+from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, WORKGROUPS_PER_CU, KernelVariant, cu_count
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
 from vllm_flydsl_indexer.target import Call
 from vllm_flydsl_indexer.tools import cli_args, settings
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
@@ -72,6 +72,7 @@ __all__ = [
     "main",
     "refusal",
     "table_text",
+    "tuned_wg_per_cu",
     "tune_rows",
     "tuned_variant",
 ]
@@ -149,7 +150,7 @@ def candidates(
     out = {"gluon": ("gluon", 0, raw_launch(arms.gluon, workspace.get, **GLUON_KNOBS))}
     call = Call(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, p.max_model_len, 1, None, 1)
     if variant.violation(call) is None:
-        for wg in variant.tuned_wg_per_cu:
+        for wg in tuned_wg_per_cu(variant):
             out[f"flydsl wg_per_cu={wg}"] = ("flydsl", wg, flydsl_launch(variant, workspace.get, cus, wg))
     return out
 
@@ -282,7 +283,13 @@ def tune_rows(
     return rows
 
 
-def existing_rows(path: str) -> tuning.ParsedTable | None:
+def tuned_wg_per_cu(variant: KernelVariant) -> tuple[int, ...]:
+    """The ``wg_per_cu`` values measured: aiter's tuner's sweep where the API's launch takes SplitKV,
+    else only the default launch (``0``)."""
+    return TUNER_WG_PER_CU if variant.split_kv_workgroups_per_cu is not None else (0,)
+
+
+def existing_rows(path: str) -> tuple[list[str], list[tuning.TunedRow], list[tuple[int, str]]] | None:
     """The table already in ``path`` (``None`` if absent or empty), every row validated.
 
     Refuses (exit 2, one line) a file that is not aiter's format or has any
@@ -301,30 +308,32 @@ def _row_id(row: dict[str, object]) -> tuple:
 
 
 def table_text(
-    earlier: tuning.ParsedTable | list[tuning.TunedRow] | None, rows: list[dict[str, object]]
+    earlier: tuple[list[str], list[tuning.TunedRow], list[tuple[int, str]]] | list[tuning.TunedRow] | None,
+    rows: list[dict[str, object]],
 ) -> tuple[str, int]:
     """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest, and every
     ``#`` line, are kept as read and in place; new rows at the end. LF line endings, as aiter's table."""
     import csv
 
-    if not isinstance(earlier, tuning.ParsedTable):
-        earlier = tuning.ParsedTable(list(tuning.COLUMNS), list(earlier or ()))
+    if not isinstance(earlier, tuple):  # rows alone: no header or comments read
+        earlier = (list(tuning.COLUMNS), list(earlier or ()), [])
+    _, earlier_rows, earlier_comments = earlier
     rows = list({_row_id(r): r for r in rows}.values())  # one row per key: the last measured
     new_ids = {_row_id(r) for r in rows}
     out = io.StringIO()
     writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS), lineterminator="\n")
     comments: dict[int, list[str]] = {}
-    for place, line in earlier.comments:
+    for place, line in earlier_comments:
         comments.setdefault(place, []).append(line)
     out.writelines(f"{line}\n" for line in comments.get(-1, ()))
     writer.writeheader()
     kept = 0
-    for i, r in enumerate(earlier.rows):
+    for i, r in enumerate(earlier_rows):
         out.writelines(f"{line}\n" for line in comments.get(i, ()))
         if (r.gfx, r.key) not in new_ids:
             writer.writerow(r.text)
             kept += 1
-    out.writelines(f"{line}\n" for line in comments.get(len(earlier.rows), ()))
+    out.writelines(f"{line}\n" for line in comments.get(len(earlier_rows), ()))
     writer.writerows(rows)
     return out.getvalue(), kept
 
@@ -364,7 +373,7 @@ def main(args) -> int:
                 "arms": arms.label,
                 "arms_why": arms.why,
                 "flydsl_variant": tuned_variant(arms).name,
-                "wg_per_cu_swept": list(tuned_variant(arms).tuned_wg_per_cu),
+                "wg_per_cu_swept": list(tuned_wg_per_cu(tuned_variant(arms))),
                 "max_model_len": settings.TUNE_MAX_MODEL_LEN,
                 "timings": what,
                 "tuned_csv": os.path.basename(args.tune_path),

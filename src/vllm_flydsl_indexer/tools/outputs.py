@@ -1,0 +1,134 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every file the tools write, one way: atomically, to a regular file or a new one, never clobbering.
+
+A temporary file beside the target is renamed over it. A symlink is written through to its resolved
+target and stays a link; a device node, a FIFO or a directory is refused, never replaced.
+:func:`outputs_problem` refuses them, and two outputs of one run that are the same file, before the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Iterable
+from typing import IO
+
+from vllm_flydsl_indexer.files import FileRefused, kind_of
+
+__all__ = ["OUTPUT_RULE", "kind_problem", "outputs_problem", "write_atomic", "write_atomic_bytes"]
+
+# What every output accepts, as --help says it.
+OUTPUT_RULE = (
+    "each output is a regular file or a new one, replaced atomically; a symlink is written through to its "
+    "target (a new file if there is none yet) and stays a link; refused before any work: a device, FIFO or "
+    "directory, this command's own stdout or stderr (redirect the report, not an output, there), two "
+    "outputs that are one file"
+)
+
+
+def _standard_streams() -> list[tuple[str, os.stat_result]]:
+    out = []
+    for fd, name in ((1, "standard output"), (2, "standard error")):
+        try:
+            out.append((name, os.fstat(fd)))
+        except OSError:
+            continue
+    return out
+
+
+def kind_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written (an existing non-regular file, through any links, or this
+    process's own stdout or stderr), or ``None``."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None  # a new file, or a link to one (written through: the link stays)
+    except OSError as e:
+        return f"{path}: {e.strerror or e}"
+    for name, stream in _standard_streams():
+        if (info.st_dev, info.st_ino) == (stream.st_dev, stream.st_ino):
+            return f"{path} is this command's {name}; give an output its own file"
+    if stat.S_ISREG(info.st_mode):
+        return None
+    return f"{path} is {kind_of(info.st_mode)}, not a regular file; give a file path"
+
+
+def outputs_problem(outputs: Iterable[tuple[str, str]]) -> str | None:
+    """The first ``(flag, path)`` that cannot be written, or that names the file an earlier one does.
+
+    Paths are compared resolved (symlinks, ``./``, ``..``), and by inode where both exist.
+    Each is opened for appending now, without blocking (a new file is removed again).
+    """
+    seen: dict[str, str] = {}
+    for flag, path in outputs:
+        problem = kind_problem(path)
+        if problem is not None:
+            return f"argument {flag}: {problem}"
+        real = os.path.realpath(path)
+        same = next((f for r, f in seen.items() if r == real or _same_inode(r, real)), None)
+        if same is not None:
+            return f"argument {flag}: {path} is the file {same} writes too; give each output its own file"
+        seen[real] = flag
+        existed = os.path.lexists(real)
+        try:
+            fd = os.open(real, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+            os.close(fd)
+        except OSError as e:
+            return f"argument {flag}: cannot open {path} for writing ({e.strerror or e})"
+        if not existed:
+            with contextlib.suppress(OSError):
+                os.unlink(real)
+    return None
+
+
+def _same_inode(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _replace_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a temporary file beside ``path``'s resolved target, sync it, rename it over the target."""
+    problem = kind_problem(path)
+    if problem is not None:
+        raise FileRefused(problem)
+    target = os.path.realpath(path)  # a link is written through and stays a link
+    directory, name = os.path.split(target)
+    try:
+        mode = os.stat(target).st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o644 & ~umask
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_atomic(path: str, text: str, newline: str | None = None) -> None:
+    """Replace ``path`` with ``text`` all at once: readers see the old file or the new one.
+
+    UTF-8; ``newline`` as for :func:`open` (``""``: no translation). The mode
+    of an existing file is kept; a new file gets 0o644 less the umask.
+    """
+    if newline not in ("", "\n"):
+        text = text.replace("\n", os.linesep if newline is None else newline)
+    data = text.encode("utf-8")
+    _replace_atomic(path, lambda f: f.write(data))
+
+
+def write_atomic_bytes(path: str, data: bytes) -> None:
+    """:func:`write_atomic` for bytes (a rendered plot)."""
+    _replace_atomic(path, lambda f: f.write(data))
