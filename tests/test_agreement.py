@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from conftest import import_call_site
 from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import CALL_SITES, DEFINING_MODULE
+from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.tools.audit import CALL_SITES
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 

@@ -135,8 +135,8 @@ MUTATIONS = {
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     "kpool caller trusted with next_n > 1": (
-        "multi_row=False,",
-        "multi_row=True,",
+        '"vllm.models.glm5next.amd.sparse_indexer": "pool-granular',
+        '"vllm.models.glm5next.amd.sparse_indexer": None and "pool-granular',
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     # The router-behaviour cases (tools/behaviour.py): each builds its own router.

@@ -279,7 +279,7 @@ def test_every_call_site_is_in_the_audit_with_the_recorded_arguments():
 
     At runtime such a caller is already safe (next_n == 1 only); this makes it loud.
     """
-    from vllm_flydsl_indexer.target import CALL_SITES
+    from vllm_flydsl_indexer.tools.audit import CALL_SITES
 
     sites = _enclosing_calls()
     assert sites, "no call site of the target found"

@@ -11,13 +11,12 @@ import vllm_flydsl_indexer
 PACKAGE = Path(vllm_flydsl_indexer.__file__).parent
 # The CLI's ``python -m`` entry lives in the package root but register() never imports it.
 ENTRY = "__main__.py"
-# 17 plugin modules and __main__: issue 25 added rules.py (every rule in one module) and
-# identification.py (startup probing apart from the contract); issue 31 files.py (the one file
-# layer: register() reads the tuned table through it, and the plugin never imports the tools);
-# issue 32 selftest.py (each configuration's self-test: its synthetic problem and both arms,
-# apart from the router); issue 37 content.py (vLLM's target held to its audited content, read from
-# its AST once at start-up, apart from the stock hooks that mirror it).
-MAX_PLUGIN_MODULES = 18
+# Issue 38: one module per seam (docs/design.md). 17 modules became 10: what vLLM is (target: the
+# target, its content, its objects and its callers), what aiter has (kernels: identification and
+# contracts), the route (router: rules and memo), the self-test (selftest: with the agreement rule),
+# the measured table (tuning), and start-up (__init__, envs with the log lines, gates, patch), plus
+# files, the one reader. What only the tools use went to tools/.
+MAX_PLUGIN_MODULES = 10
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -31,9 +30,14 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
+def plugin_modules() -> list[Path]:
+    """The runtime wing: every module directly under the package but the CLI's entry."""
+    return [p for p in sorted(PACKAGE.glob("*.py")) if p.name != ENTRY]
+
+
 def test_no_plugin_module_imports_the_tools():
-    plugin = [p for p in sorted(PACKAGE.glob("*.py")) if p.name != ENTRY]
-    assert plugin and len(plugin) + 1 <= MAX_PLUGIN_MODULES, [p.name for p in plugin]
+    plugin = plugin_modules()
+    assert plugin and len(plugin) <= MAX_PLUGIN_MODULES, [p.name for p in plugin]
     for path in plugin:
         tools = {m for m in imported_modules(path) if m.startswith("vllm_flydsl_indexer.tools")}
         assert not tools, f"{path.name} imports the tools wing: {sorted(tools)}"
@@ -80,3 +84,66 @@ def test_every_module_marks_its_public_names():
         assert isinstance(getattr(module, "__all__", None), list), f"{path.name} has no __all__"
         missing = [n for n in module.__all__ if not hasattr(module, n)]
         assert not missing, f"{path.name} lists {missing}"
+
+
+# The runtime wing's size, every line counted (blank, comment and docstring lines too), and its
+# classes (a ``class`` statement each). Issue 38 asked for 2,000 lines and 12 classes; before it the
+# wing was 17 modules, 4,224 lines and 28 classes. What is left above the ask, and why, is in
+# docs/design.md ("The size of the runtime wing").
+MAX_PLUGIN_LINES = 2000
+MAX_PLUGIN_CLASSES = 12
+
+
+def test_the_runtime_wing_stays_small():
+    lines = classes = 0
+    for path in plugin_modules():
+        text = path.read_text()
+        lines += len(text.splitlines())
+        classes += sum(isinstance(n, ast.ClassDef) for n in ast.walk(ast.parse(text)))
+    assert lines <= MAX_PLUGIN_LINES, f"the runtime wing is {lines} lines"
+    assert classes <= MAX_PLUGIN_CLASSES, f"the runtime wing has {classes} classes"
+
+
+# A taken call, from the patched function to the kernel launch: the patch's wrapper, the router, and
+# vLLM's objects that the hooks hold (target.py). Nothing else of the plugin runs per call.
+TAKEN_PATH = {"patch.py", "router.py", "target.py"}
+
+
+def test_a_taken_call_runs_through_three_plugin_modules(target, workspace, installed, aiter_calls):
+    import importlib
+    import sys
+
+    import torch
+
+    from vllm_flydsl_indexer.target import DEFINING_MODULE
+    from vllm_flydsl_indexer.tools.paths import call_site_in
+    from vllm_flydsl_indexer.tools.reference import make_paged_problem
+
+    p = make_paged_problem(
+        [70, 130, 3],
+        next_n=1,
+        heads=32,
+        head_dim=128,
+        block_size=64,
+        preshuffle=True,
+        generator=torch.Generator().manual_seed(38),
+    )
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    call = call_site_in(importlib.import_module(DEFINING_MODULE))
+    call(target.rocm_fp8_paged_mqa_logits, args, {})  # the shape's first call: its self-test, then FlyDSL
+    taken = installed.router.calls_taken
+    assert taken == 1, installed.router.failed
+    seen: set[str] = set()
+
+    def profile(frame, event, arg):  # the plugin's modules only: the kernel double runs tools.reference
+        if event == "call" and Path(frame.f_code.co_filename).parent == PACKAGE:
+            seen.add(Path(frame.f_code.co_filename).name)
+
+    aiter_calls.clear()
+    sys.setprofile(profile)
+    try:
+        call(target.rocm_fp8_paged_mqa_logits, args, {})
+    finally:
+        sys.setprofile(None)
+    assert installed.router.calls_taken == taken + 1 and [a for a, _ in aiter_calls] == ["flydsl"]
+    assert seen == TAKEN_PATH, sorted(seen)

@@ -21,13 +21,13 @@ from vllm_flydsl_indexer import envs
 from vllm_flydsl_indexer.envs import MODEL_STOCK_LINE
 from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE
 from vllm_flydsl_indexer.target import (
-    CALL_SITES,
     DEFINING_MODULE,
     FP8_SETTING,
     MXFP4_DEFAULT_FUNCTION,
     mxfp4_reason,
 )
 from vllm_flydsl_indexer.tools import reach
+from vllm_flydsl_indexer.tools.audit import CALL_SITES
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = importlib.metadata.version("vllm")

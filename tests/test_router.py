@@ -273,7 +273,7 @@ def test_the_caller_is_part_of_the_memoised_verdict():
     "taken" to GLM-5-next's kpool call (pool-granular bounds) and to an unknown
     caller on every later call with the same shapes.
     """
-    from vllm_flydsl_indexer.target import CALL_SITES
+    from vllm_flydsl_indexer.tools.audit import CALL_SITES
 
     kpool = next(m for m, site in CALL_SITES.items() if not site.multi_row)
     p = base_problem()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import stat
 
-__all__ = ["MAX_READ_BYTES", "FileRefused", "kind_of", "read_text"]
+__all__ = ["FileRefused", "MAX_READ_BYTES", "kind_of", "read_text"]
 
 # Larger than any tuned table or model config.json by far; /dev/zero and a runaway file stop here.
 MAX_READ_BYTES = 16 * 1024 * 1024

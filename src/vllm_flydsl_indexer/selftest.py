@@ -27,8 +27,8 @@ from vllm_flydsl_indexer.target import INDEX_TOPK, SCALE_BYTES
 
 __all__ = [
     "Agreement", "CHUNK_ELEMENTS", "DEFAULT_TOPK", "MAX_BYTES", "REAL_KERNEL_TOLERANCE", "SEED",
-    "compare_in_windows", "make_verifier", "read_window_ends", "run", "synthetic",
-    "synthetic_lengths", "width",
+    "compare_in_windows", "make_verifier", "read_window_ends", "run", "synthetic", "synthetic_lengths",
+    "width",
 ]  # fmt: skip
 
 REAL_KERNEL_TOLERANCE = 1e-3

@@ -9,7 +9,7 @@
   release in :data:`RELEASES`; anything else is a :class:`ContentDrift` and vLLM stays stock.
 * **Its objects** (:func:`vllm_stock_hooks`): every vLLM name the router's stock side uses, resolved
   at install, so per call the router reads no vLLM module attribute.
-* **Its callers** (:data:`CALL_SITES`): FlyDSL writes row ``(b, i)`` over ``[0, L_b - next_n + i]``,
+* **Its callers** (:data:`MULTI_ROW`): FlyDSL writes row ``(b, i)`` over ``[0, L_b - next_n + i]``,
   which equals what the consumers read only for vLLM's native ``(B, next_n)`` table, one apart, so
   ``next_n > 1`` is taken only from a call site audited to pass it. The audit, release by release,
   is in ``docs/vllm-audit.md``; ``tests/test_drift.py`` fails when a release differs from it.
@@ -32,13 +32,13 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
-    "AITER_LOOKUP", "AITER_ON", "Audited", "BLOCK_SIZE", "C4A_GUARD", "CALL_SITES", "Call", "CallSite",
-    "ContentDrift", "DEFINING_MODULE", "FP8_SETTING", "GLUON", "GLUON_ARGS", "GLUON_KNOBS",
-    "GLUON_MODULE_FOUND", "GluonQuestion", "I32_OFFSET_LIMIT", "INDEX_TOPK", "MARKER", "MAX_SOURCE_BYTES",
+    "AITER_LOOKUP", "AITER_ON", "Audited", "BLOCK_SIZE", "C4A_GUARD", "Call", "ContentDrift",
+    "DEFINING_MODULE", "FP8_SETTING", "GLUON", "GLUON_ARGS", "GLUON_KNOBS", "GLUON_MODULE_FOUND",
+    "GluonQuestion", "I32_OFFSET_LIMIT", "INDEX_TOPK", "MARKER", "MAX_SOURCE_BYTES", "MULTI_ROW",
     "MXFP4_DEFAULT_FUNCTION", "MXFP4_DEFAULT_MODULE", "OUTPUT", "PRESHUFFLE_BY_LAYOUT", "PRESHUFFLE_BY_SIZE",
     "RELEASES", "SCALE_BYTES", "StockHooks", "TARGET_KEYWORD_ONLY", "TARGET_MODULE", "TARGET_NAME",
-    "TARGET_POSITIONAL", "audit", "calls_flydsl", "config_objection", "function_node",
-    "multi_row_objection", "mxfp4_reason", "signature_problem", "unpatched", "vllm_stock_hooks",
+    "TARGET_POSITIONAL", "audit", "calls_flydsl", "config_objection", "function_node", "multi_row_objection",
+    "mxfp4_reason", "signature_problem", "unpatched", "vllm_stock_hooks",
 ]  # fmt: skip
 
 TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
@@ -46,14 +46,8 @@ TARGET_NAME = "rocm_fp8_paged_mqa_logits"
 # The module that defines the target; its own indexer calls it.
 DEFINING_MODULE = TARGET_MODULE
 # The signature this package was written against (vLLM 0.32.0, 0.33.0 and 0.34.0).
-TARGET_POSITIONAL = (
-    "q_fp8",
-    "kv_cache_fp8",
-    "weights",
-    "context_lens",
-    "block_tables",
-    "schedule_metadata",
-    "max_model_len",
+TARGET_POSITIONAL = tuple(
+    "q_fp8 kv_cache_fp8 weights context_lens block_tables schedule_metadata max_model_len".split()
 )
 TARGET_KEYWORD_ONLY = {"compress_ratio": 1}
 # vLLM's fp8 indexer cache: per token, head_dim fp8 bytes, then one float32 scale.
@@ -119,15 +113,8 @@ AITER_ON = "rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled(
 AITER_LOOKUP = "paged_mqa_logits_module()"
 GLUON_MODULE_FOUND = "aiter_paged_mqa_logits_module is not None"
 OUTPUT = "current_workspace_manager().get_simultaneous(((batch_size * next_n, max_model_len), torch.float32))"
-GLUON_ARGS = (
-    "q_fp8",
-    "kv_cache_fp8",
-    "weights",
-    "out_logits",
-    "_per_sequence_context_lens(context_lens)",
-    "block_tables",
-    "max_model_len",
-)
+GLUON_ARGS = ("q_fp8", "kv_cache_fp8", "weights", "out_logits", "_per_sequence_context_lens(context_lens)")
+GLUON_ARGS += ("block_tables", "max_model_len")
 _LENGTHS = 4  # GLUON_ARGS' index of the per-sequence lengths
 GLUON_KNOBS = {"ChunkK": "256", "KVBlockSize": "block_size", "WavePerEU": "2"}
 # Preshuffle's two audited forms: by block size alone, and by vLLM's layout helper.
@@ -406,79 +393,27 @@ def vllm_stock_hooks(target: ModuleType) -> StockHooks:
     return StockHooks(question, output_buffer, per_sequence_lens, lambda: dcp()[0], preshuffle)
 
 
-# --- Its callers (docs/vllm-audit.md, "The call-site audit"). ---
+# --- Its callers (docs/vllm-audit.md, "The call-site audit"; tools/audit.py holds the whole record). ---
 
-
-@dataclass(frozen=True)
-class CallSite:
-    """One audited call of the target, and what FlyDSL may take from it."""
-
-    module: str
-    function: str
-    passes: frozenset[str]  # the argument names it passes (positional ones by the target's names)
-    bounds: str
-    compress_ratio: str
-    dcp: str
-    multi_row: bool  # may FlyDSL take next_n > 1 from here (with compress_ratio == 1 and DCP 1)?
-    vllm: str
-    note: str = ""  # which models reach it, where narrower than the module's name says
-
-
-_ALL_ARGS = frozenset(TARGET_POSITIONAL)
-CALL_SITES: dict[str, CallSite] = {
-    site.module: site
-    for site in (
-        CallSite(
-            module=DEFINING_MODULE,
-            function="rocm_aiter_sparse_attn_indexer",
-            passes=_ALL_ARGS | {"compress_ratio"},
-            bounds="indexer builder's decode.seq_lens: (B, 1), or native-MTP (B, next_n) one apart, "
-            "floor-divided by the builder's ratio when it is > 1",
-            compress_ratio="passes the indexer layer's compress_ratio (DeepSeek-V3.2, GLM-5.x: 1; "
-            "GLM-5-next reaches this site only with index_kpool <= 1)",
-            dcp="bounds localised per token when DCP > 1",
-            multi_row=True,
-            vllm="0.32.0, 0.33.0, 0.34.0",
-        ),
-        CallSite(
-            module="vllm.models.deepseek_v41.amd.ops.sparse_indexer",
-            function="_decode_step",
-            passes=_ALL_ARGS | {"compress_ratio"},
-            bounds="same builder and decode.seq_lens as the defining module's indexer",
-            compress_ratio="passes the layer's compress_ratio",
-            dcp="bounds localised per token when DCP > 1",
-            multi_row=True,
-            vllm="0.33.0, 0.34.0",
-            note="DeepSeek-V4.1's layer calls it only with --monokernel on gfx942 (models/deepseek_v41/amd/"
-            "rocm.py, _gfx942_monokernel); on gfx950 V4.1 reaches the target through "
-            "rocm_aiter_sparse_attn_indexer",
-        ),
-        CallSite(
-            module="vllm.models.glm5next.amd.sparse_indexer",
-            function="sparse_attn_indexer_kpool",
-            passes=_ALL_ARGS,
-            bounds="pool-granular: the builder's ratio is tokens_per_state = index_kpool > 1, so every "
-            "entry is floor-divided and MTP neighbours can be equal; max_model_len=max_pool_len",
-            compress_ratio="does NOT pass it (stays 1) although its bounds are compressed",
-            dcp="bounds localised per token when DCP > 1",
-            multi_row=False,
-            vllm="0.32.0, 0.33.0, 0.34.0",
-        ),
-    )
+# Every audited call site: ``None`` where FlyDSL may take ``next_n > 1`` from it (with
+# ``compress_ratio == 1`` and DCP 1), else why its bounds are not vLLM's native table.
+MULTI_ROW: dict[str, str | None] = {
+    DEFINING_MODULE: None,
+    "vllm.models.deepseek_v41.amd.ops.sparse_indexer": None,
+    "vllm.models.glm5next.amd.sparse_indexer": "pool-granular (it does NOT pass compress_ratio although its "
+    "bounds are compressed)",
 }
 
 
 def multi_row_objection(caller: str | None) -> str | None:
     """Why FlyDSL may not take a ``next_n > 1`` call from ``caller``, or ``None``."""
-    site = CALL_SITES.get(caller) if caller is not None else None
-    if site is None:
+    if caller not in MULTI_ROW:
         return (
             f"next_n > 1 from a caller this package has not audited ({caller or 'unknown'}): "
             "only next_n == 1 is always safe"
         )
-    if not site.multi_row:
-        return f"next_n > 1 from {caller}: its bounds are {site.bounds.split(':')[0]} ({site.compress_ratio})"
-    return None
+    why = MULTI_ROW[caller]
+    return None if why is None else f"next_n > 1 from {caller}: its bounds are {why}"
 
 
 # The path that never calls the target: aiter's MXFP4 indexer, which vLLM resolves "auto" to for

@@ -37,23 +37,9 @@ __all__ = [
     "table_source", "where",
 ]  # fmt: skip
 
-COLUMNS = (
-    "gfx",
-    "cu_num",
-    "batch_size",
-    "next_n",
-    "heads",
-    "head_dim",
-    "kv_block_size",
-    "preshuffle",
-    "context_len",
-    "backend",
-    "ChunkK",
-    "WavePerEU",
-    "wg_per_cu",
-    "us",
-    "gluon_us",
-    "flydsl_us",
+COLUMNS = tuple(
+    "gfx cu_num batch_size next_n heads head_dim kv_block_size preshuffle context_len backend "
+    "ChunkK WavePerEU wg_per_cu us gluon_us flydsl_us".split()
 )
 # aiter's lookup key: a later row of the same key replaces an earlier one.
 KEY_COLUMNS = COLUMNS[:8]
@@ -120,8 +106,9 @@ class TableSource:
         return BUILTIN.label if self.origin == "built-in" else self.path
 
 
-# (cu_num, next_n, heads, head_dim, kv_block_size, preshuffle)
+# (cu_num, next_n, heads, head_dim, kv_block_size, preshuffle), and the same with batch_size second.
 ShapeKey = tuple[int, int, int, int, int, bool]
+RowKey = tuple[int, int, int, int, int, int, bool]
 
 
 class TableError(ValueError):
@@ -132,9 +119,7 @@ class TunedRow(NamedTuple):
     """One validated row; ``text`` is the row as read, for writing it back unchanged."""
 
     gfx: str
-    key: tuple[
-        int, int, int, int, int, int, bool
-    ]  # cu_num, batch_size, next_n, heads, head_dim, kvb, preshuffle
+    key: RowKey
     backend: str
     wg_per_cu: int
     text: dict[str, str]

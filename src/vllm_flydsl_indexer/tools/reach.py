@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_flydsl_indexer import files
 from vllm_flydsl_indexer.target import (
-    CALL_SITES,
     DEFINING_MODULE,
     FP8_SETTING,
     MXFP4_DEFAULT_FUNCTION,
     MXFP4_DEFAULT_MODULE,
     mxfp4_reason,
 )
+from vllm_flydsl_indexer.tools.audit import CALL_SITES
 from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
 
 __all__ = [
