@@ -30,7 +30,6 @@ import pytest
 import tomllib
 
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer import envs as _logging
 
 if TYPE_CHECKING:
     from lm_eval.config.evaluate_config import EvaluatorConfig
@@ -54,10 +53,10 @@ ENTRY_POINTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["
 )
 MODEL = "deepseek-ai/DeepSeek-V3.2-Exp"
 # Whole lines as the plugin logs them, which the fake server prints: its heads, then the rest.
-ACTIVE = f"{_logging.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
-STOCK = f"{_logging.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
-DISAGREE = f"{_logging.HEAD} FlyDSL and stock {_logging.DISAGREE_LINE} on the first eligible call: x"
-MODEL_STOCK = f"{_logging.MODEL_STOCK_LINE} deepseek_v4 runs aiter's MXFP4 indexer (...)"
+ACTIVE = f"{envs.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
+STOCK = f"{envs.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
+DISAGREE = f"{envs.HEAD} FlyDSL and stock {envs.DISAGREE_LINE} on the first eligible call: x"
+MODEL_STOCK = f"{envs.MODEL_STOCK_LINE} deepseek_v4 runs aiter's MXFP4 indexer (...)"
 
 
 @cache
@@ -638,12 +637,12 @@ def common(snippet: str, **env: str) -> subprocess.CompletedProcess[str]:
 
 # What _common.sh repeats from the plugin, by its shell name: shell cannot import the plugin.
 COMMON_SH_COPIES = {
-    "ACTIVE_LINE": _logging.ACTIVE_LINE,
-    "STOCK_LINE": _logging.STOCK_LINE,
-    "STOCK_CALL_LINE": _logging.STOCK_CALL_LINE,
-    "TABLE_IGNORED_LINE": _logging.TABLE_IGNORED_LINE,
-    "DISAGREE_LINE": _logging.DISAGREE_LINE,
-    "MODEL_STOCK_LINE": _logging.MODEL_STOCK_LINE,
+    "ACTIVE_LINE": envs.ACTIVE_LINE,
+    "STOCK_LINE": envs.STOCK_LINE,
+    "STOCK_CALL_LINE": envs.STOCK_CALL_LINE,
+    "TABLE_IGNORED_LINE": envs.TABLE_IGNORED_LINE,
+    "DISAGREE_LINE": envs.DISAGREE_LINE,
+    "MODEL_STOCK_LINE": envs.MODEL_STOCK_LINE,
     "FLYDSL_SWITCH": envs.SWITCH,
     "TUNED_CSV_VAR": envs.TUNED_CSV,
     "PLUGIN_NAME": PLUGIN_NAME,

@@ -20,7 +20,7 @@ from test_cli import CLI, PACKAGE_ROOT, cli, no_gpu, no_vllm_env, rejected
 from test_reach import FIRST_REASON, VLLM
 from vllm_flydsl_indexer import envs, files, tuning
 from vllm_flydsl_indexer.envs import TABLE_IGNORED_LINE
-from vllm_flydsl_indexer.tools import reach, tune
+from vllm_flydsl_indexer.tools import outputs, reach, tune
 
 ONE_ROW = {
     "gfx": "gfx950",
@@ -227,11 +227,11 @@ def test_a_write_goes_through_a_link_and_keeps_it(tmp_path, fifo):
     link = tmp_path / "link.csv"
     link.symlink_to(real)
     text = f"{os.urandom(8).hex()}\n"
-    files.write_atomic(str(link), text)
+    outputs.write_atomic(str(link), text)
     assert link.is_symlink() and os.readlink(link) == str(real)
     assert real.read_text() == text and stat.S_IMODE(real.stat().st_mode) == 0o640
     with pytest.raises(files.FileRefused, match="a FIFO"):
-        within(10, files.write_atomic, str(fifo), text)
+        within(10, outputs.write_atomic, str(fifo), text)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.csv", "real.csv"]
 
@@ -440,7 +440,7 @@ def test_a_symlink_to_a_new_file_is_one_behaviour_for_every_output(tmp_path, no_
         assert cli_mod.main(argv) == 0, capsys.readouterr().err
         assert getattr(no_work[-1], {"--json": "json_path", "--csv": "csv_path", "--tune": "tune_path"}[flag])
     assert len(no_work) == 3 and link.is_symlink() and not (tmp_path / "target.x").exists()
-    files.write_atomic(str(link), "new\n")
+    outputs.write_atomic(str(link), "new\n")
     assert link.is_symlink() and (tmp_path / "target.x").read_text() == "new\n"
     dangling = tmp_path / "d.json"
     dangling.symlink_to(tmp_path / "missing" / "t.json")
@@ -457,7 +457,7 @@ def test_bench_help_says_what_every_output_accepts(capsys):
     with pytest.raises(SystemExit):
         cli_mod.main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert " ".join(files.OUTPUT_RULE.split()) in text
+    assert " ".join(outputs.OUTPUT_RULE.split()) in text
 
 
 def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them():

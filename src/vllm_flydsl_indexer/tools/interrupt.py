@@ -10,7 +10,7 @@ and print what finished and exit :data:`EXIT_INTERRUPTED`. A second one raises
 status, never a traceback. Outside a tool's own handlers (before, or after its
 graceful stop finished) a SIGTERM is a :class:`StopNow` too
 (:func:`terminate_as_interrupt`): one outcome, one exit status, 130.
-Output files are replaced atomically (``files.write_atomic``), so an interrupted
+Output files are replaced atomically (``tools.outputs.write_atomic``), so an interrupted
 write leaves the old file, never half of a new one.
 
 Tools wing only: the plugin never imports this module.
