@@ -246,8 +246,8 @@ MUTATIONS = {
         "pool at the i32 offset limit (shapes only)",
     ),
     "unknown caller trusted with next_n > 1": (
-        "site = CALL_SITES.get(caller) if caller is not None else None",
-        "site = CALL_SITES.get(caller or DEFINING_MODULE)",
+        "    if caller not in MULTI_ROW:\n",
+        "    caller = caller or DEFINING_MODULE\n    if caller not in MULTI_ROW:\n",
         "bounds and callers",
     ),
     "next_n 1 taken with (B, 2) bounds": (

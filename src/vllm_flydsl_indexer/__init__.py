@@ -66,12 +66,7 @@ def register() -> None:
     try:
         _register(logger)
     except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
-        logger.warning(
-            "%s unexpected %s during registration: %s)",
-            STOCK_LINE,
-            type(e).__name__,
-            e,
-        )
+        logger.warning("%s unexpected %s during registration: %s)", STOCK_LINE, type(e).__name__, e)
 
 
 def _register(logger: logging.Logger) -> None:
@@ -96,13 +91,9 @@ def _register(logger: logging.Logger) -> None:
         return
     _register_environment_variables()
     if decision.active:
-        from vllm_flydsl_indexer import patch
+        from vllm_flydsl_indexer import patch, selftest
 
-        verifier = None
-        if decision.verify:
-            from vllm_flydsl_indexer.selftest import make_verifier
-
-            verifier = make_verifier()
+        verifier = selftest.make_verifier() if decision.verify else None
         assert decision.target_module is not None and decision.variant is not None
         table = None
         if not decision.variant.own_table:

@@ -222,16 +222,15 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
     verify = envs.read_flag(envs.VERIFY, environ)
     allow = envs.read_flag(envs.ALLOW_UNTESTED_VLLM, environ)
     warnings = [f.error for f in (switch, verify, allow) if f.error]
-    gates: list[Gate] = []
-    lookup = None
-    module = None
+    lookup = module = None
 
     def run_gates():
-        nonlocal module
-        if switch.enabled:
-            yield Gate("switch", True, f"{envs.SWITCH}={switch.raw}")
-        else:
-            yield Gate("switch", False, envs.off_reason(switch))
+        nonlocal lookup, module
+        yield (
+            Gate("switch", True, f"{envs.SWITCH}={switch.raw}")
+            if switch.enabled
+            else Gate("switch", False, envs.off_reason(switch))
+        )
         in_tree = in_tree_route()
         yield Gate("in-tree", in_tree is None, in_tree or "vLLM does not route the call to FlyDSL itself")
         yield check_version(vllm_version(), allow.enabled)
@@ -239,52 +238,30 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         cheap.append(_check_aiter() if cheap[-1].ok else Gate("aiter", False, "not on gfx950", skipped=True))
         yield from cheap
         stopped = next((g for g in cheap if not g.ok and not g.skipped), None)
-        if stopped is not None:
-            # Import aiter only where vLLM would: a cheap gate failed.
+        if stopped is not None:  # import aiter only where vLLM would: a cheap gate failed
             yield Gate("kernel", False, f"aiter not imported (the {stopped.name} gate failed)", skipped=True)
         else:
-            yield _check_kernel()
+            lookup = find_kernel()
+            found = lookup.variant
+            if found is None:
+                yield Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
+            else:
+                yield Gate("kernel", True, f"found {found.location}: {found.name} ({found.description})")
         target_gate, module = _check_target()
         yield target_gate
 
-    def _check_kernel() -> Gate:
-        nonlocal lookup
-        lookup = find_kernel()
-        if lookup.variant is None:
-            return Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
-        return Gate(
-            "kernel",
-            True,
-            f"found {lookup.variant.location}: {lookup.variant.name} ({lookup.variant.description})",
-        )
-
-    first_failure: Gate | None = None
+    gates: list[Gate] = []
     for gate in run_gates():
         gates.append(gate)
-        if not gate.ok and first_failure is None:
-            first_failure = gate
-            if not full:
-                break
-
-    if first_failure is not None:
-        variant = lookup.variant if lookup is not None else None
+        if not gate.ok and not full:
+            break
+    failed = next((g for g in gates if not g.ok), None)
+    variant = lookup.variant if lookup is not None else None
+    if failed is not None:
+        in_tree = failed.name == "in-tree"
         return Decision(
-            False,
-            first_failure.detail,
-            gates,
-            variant,
-            verify=verify.enabled,
-            warnings=warnings,
-            in_tree=first_failure.name == "in-tree",
+            False, failed.detail, gates, variant, verify=verify.enabled, warnings=warnings, in_tree=in_tree
         )
-    assert lookup is not None
     return Decision(
-        True,
-        "all gates passed",
-        gates,
-        lookup.variant,
-        module,
-        verify=verify.enabled,
-        warnings=warnings,
-        gcn_arch=gcn_arch(),
+        True, "all gates passed", gates, variant, module, verify.enabled, warnings, gcn_arch=gcn_arch()
     )

@@ -59,15 +59,15 @@ class InstalledPatch:
 _installed: InstalledPatch | None = None
 
 
-def _bindings(original: Callable) -> list[ModuleType]:
-    """Every imported module whose global ``TARGET_NAME`` is ``original``."""
+def _bindings(fn: Callable) -> list[ModuleType]:
+    """Every imported module whose global ``TARGET_NAME`` is ``fn``."""
     found = []
     for module in list(sys.modules.values()):
         try:
             namespace = vars(module)
         except TypeError:
             continue
-        if namespace.get(TARGET_NAME) is original:
+        if namespace.get(TARGET_NAME) is fn:
             found.append(module)
     return found
 
@@ -160,13 +160,8 @@ def uninstall() -> None:
     global _installed
     if _installed is None:
         return
-    for module in list(sys.modules.values()):
-        try:
-            namespace = vars(module)
-        except TypeError:
-            continue
-        if namespace.get(TARGET_NAME) is _installed.wrapper:
-            setattr(module, TARGET_NAME, _installed.original)
+    for module in _bindings(_installed.wrapper):
+        setattr(module, TARGET_NAME, _installed.original)
     if _installed.config_watch is not None:
         module, original = _installed.config_watch
         setattr(module, MXFP4_DEFAULT_FUNCTION, original)

@@ -198,20 +198,20 @@ def _config_of(q_fp8: torch.Tensor, kv_cache: torch.Tensor) -> KernelConfig | No
 def call_facts(args: tuple, dcp_world_size: int) -> tuple:
     """What the rules read besides the memo key: dtypes, q's and the weights' contiguity, the other
     shapes, the device and the DCP size."""
-    q, kv, weights, lens, tables = args[:5]
+    q, kv, w, lens, bt = args[:5]
     return (
         dcp_world_size,
         q.dtype,
         kv.dtype,
-        weights.dtype,
-        weights.shape,
+        w.dtype,
+        w.shape,
         lens.dtype,
-        tables.dtype,
-        tables.shape,
+        bt.dtype,
+        bt.shape,
         q.is_contiguous(),
-        weights.is_contiguous(),
+        w.is_contiguous(),
         q.device,
-    )
+    )  # noqa: E501
 
 
 @dataclass(slots=True)
@@ -419,15 +419,10 @@ class FlyDSLRouter:
         table = self.table
         if table is None or cus in table.cu_counts():
             return
-        self.logger.log(
-            logging.INFO if table.origin == "built-in" else logging.WARNING,
-            "%s %s has %s rows for CU count(s) %s, none for this GPU's %d CUs",
-            TABLE_IGNORED_LINE,
-            table.name,
-            table.gfx,
-            sorted(table.cu_counts()),
-            cus,
-        )
+        level = logging.INFO if table.origin == "built-in" else logging.WARNING
+        counts = sorted(table.cu_counts())
+        line = f"{table.name} has {table.gfx} rows for CU count(s) {counts}, none for this GPU's {cus} CUs"
+        self.logger.log(level, "%s %s", TABLE_IGNORED_LINE, line)
         self.table = None
 
     def _first_calls(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
@@ -444,15 +439,12 @@ class FlyDSLRouter:
                 if untested
                 else f"compiled for {config.describe()}"
             )
-            log_once(
-                self.logger,
-                logging.WARNING,
-                "%s FlyDSL not yet %s and the stream is capturing, so this graph keeps the stock path. "
-                "vLLM runs eager warm-up steps before it captures, so this is unexpected: please report "
-                "it with your vLLM version and compilation config",
-                STOCK_CALL_LINE,
-                what,
+            line = (
+                f"FlyDSL not yet {what} and the stream is capturing, so this graph keeps the stock path. "
+                "vLLM runs eager warm-up steps before it captures, so this is unexpected: please report it "
+                "with your vLLM version and compilation config"
             )
+            log_once(self.logger, logging.WARNING, "%s %s", STOCK_CALL_LINE, line)
             return None
         if untested:
             problem = self._self_test(route, args, compress_ratio)
@@ -471,15 +463,8 @@ class FlyDSLRouter:
         the problem's pages (:meth:`~vllm_flydsl_indexer.kernels.KernelVariant.self_test_launches`)."""
         q_fp8, kv_cache, _, context_lens, _, _, max_model_len = args
         config = route.config
-        problem = selftest.synthetic(
-            config.heads,
-            config.head_dim,
-            config.block_size,
-            config.next_n,
-            kv_cache.shape[3],
-            per_row_bounds=context_lens.dim() == 2,
-            device=q_fp8.device,
-        )
+        per_row = context_lens.dim() == 2
+        problem = selftest.synthetic(*config, kv_cache.shape[3], per_row_bounds=per_row, device=q_fp8.device)
         pages = selftest.width(config.block_size, config.next_n)[1]
         most = max(self.variant.split_kv_workgroups_per_cu or 0, *TUNER_WG_PER_CU)
         top = explicit_split_kv(cu_count(q_fp8.device), 1, max_model_len, config.block_size, most)
@@ -489,13 +474,9 @@ class FlyDSLRouter:
             for name, knobs in self.variant.self_test_launches(route.kwargs, min(pages, top)).items()
         }
         try:
-            return selftest.run(
-                problem,
-                lambda a: self.original(*a, compress_ratio=compress_ratio),
-                self.hooks.output_buffer,
-                launches,
-                live=(q_fp8.shape[0] * q_fp8.shape[1], max_model_len),
-            )
+            stock = functools.partial(self.original, compress_ratio=compress_ratio)
+            live = (q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
+            return selftest.run(problem, lambda a: stock(*a), self.hooks.output_buffer, launches, live)
         except Exception as e:  # noqa: BLE001 - a self-test that raises is a failed one
             return f"raised {type(e).__name__}: {e}"
 
@@ -516,18 +497,12 @@ class FlyDSLRouter:
             route.reason = f"FlyDSL rejected this call's arguments earlier ({type(e).__name__}: {e})"
             route.ready = False
             self.rejected.append(route.reason)
-            log_once(
-                self.logger,
-                logging.ERROR,
-                "%s %s (%s) rejected a call's arguments: %s: %s (%s). Calls of this signature use the "
-                "stock path; the rest of this configuration is unaffected.",
-                HEAD,
-                self.variant.location,
-                route.describe(),
-                type(e).__name__,
-                e,
-                _stack_versions(),
+            line = (
+                f"{self.variant.location} ({route.describe()}) rejected a call's arguments: "
+                f"{type(e).__name__}: {e} ({_stack_versions()}). Calls of this signature use the stock path; "
+                "the rest of this configuration is unaffected."
             )
+            log_once(self.logger, logging.ERROR, "%s %s", HEAD, line)
             return None
         except Exception as e:  # noqa: BLE001 - a kernel that fails sends its shape to stock
             self._shape_failed(route, f"raised {type(e).__name__}: {e}")
@@ -537,16 +512,9 @@ class FlyDSLRouter:
             self.compiled.add(route.config)
             route.ready = True
             tested = "; self-test passed" if self.self_tests.get(route.test_key, "") is None else ""
+            where = f"caller {route.caller or 'unknown'}; {self.variant.location}{route.note}{tested}"
             log_once(
-                self.logger,
-                logging.INFO,
-                "%s FlyDSL taken for %s (caller %s; %s%s%s)",
-                HEAD,
-                route.config.describe(),
-                route.caller or "unknown",
-                self.variant.location,
-                route.note,
-                tested,
+                self.logger, logging.INFO, "%s FlyDSL taken for %s (%s)", HEAD, route.config.describe(), where
             )
         self.calls_taken += 1
         return out
@@ -574,13 +542,9 @@ class FlyDSLRouter:
         self.failed[config] = f"FlyDSL for {described} earlier {problem}"
         self.compiled.discard(config)
         self._routes.clear()  # every memoised route of this shape now says stock
+        where = f"{self.variant.location} ({described}) {problem} ({_stack_versions()})"
         self.logger.error(
-            "%s %s (%s) %s (%s). This call and every later call of this shape use the stock path.",
-            HEAD,
-            self.variant.location,
-            described,
-            problem,
-            _stack_versions(),
+            "%s %s. This call and every later call of this shape use the stock path.", HEAD, where
         )
 
     def _verified_call(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
@@ -607,11 +571,10 @@ class FlyDSLRouter:
             if problem is not None:
                 break
         if problem is None:
-            self.logger.info(
-                "%s verify-on-enable canary passed for %s (arms agree inside the read windows)",
-                HEAD,
-                route.describe(),
+            line = (
+                f"verify-on-enable canary passed for {route.describe()} (arms agree inside the read windows)"
             )
+            self.logger.info("%s %s", HEAD, line)
             return out
         self.calls_taken -= 1
         self._shape_failed(route, f"and stock {DISAGREE_LINE} in the canary: {problem}")

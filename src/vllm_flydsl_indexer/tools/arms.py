@@ -260,7 +260,8 @@ def c4a_route_reference(
 def stock_call(gluon: Callable, workspace: Workspace) -> Callable[..., torch.Tensor]:
     """The stock copy: vLLM's gfx950 branches of ``rocm_fp8_paged_mqa_logits`` (0.33.0 and 0.34.0 alike).
 
-    C4A goes to (the reference of) vLLM's Triton route; everything else to Gluon.
+    C4A goes to (the reference of) vLLM's Triton route; everything else to Gluon. Its signature is the
+    target's, written out as vLLM writes it (as the router's call of the original is): a copy on purpose.
     """
 
     def rocm_fp8_paged_mqa_logits(

@@ -194,6 +194,7 @@ class Behaviour:
     shapes_only: bool = False  # the router's verdict on meta tensors; nothing launched
 
 
+# One row per case: cases of one kind share their shape (duplicates pairs the canary's), data, not code.
 BEHAVIOURS = (
     Behaviour(
         "API limits",
