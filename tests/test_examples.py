@@ -57,6 +57,8 @@ ACTIVE = f"{_logging.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
 STOCK = f"{_logging.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
 DISAGREE = f"{_logging.HEAD} FlyDSL and stock {_logging.DISAGREE_LINE} on the first eligible call: x"
 MODEL_STOCK = f"{_logging.MODEL_STOCK_LINE} deepseek_v4 runs aiter's MXFP4 indexer (...)"
+# The examples' scripts and helpers, not the plugin's routing: all in the slow set.
+pytestmark = pytest.mark.slow
 
 
 @cache
