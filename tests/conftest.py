@@ -313,3 +313,16 @@ class OpAudit(TorchDispatchMode):
             tensors = [a for a in list(args) + list((kwargs or {}).values()) if isinstance(a, torch.Tensor)]
             self.ops.append((func._schema.name, tensors))
         return func(*args, **(kwargs or {}))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.slow_except(*ids)``: every parametrised case is ``slow`` but those ids.
+
+    Runs before ``-m`` selects, so ``-m slow`` and the default ``-m 'not slow'`` see the mark.
+    """
+    for item in items:
+        mark = item.get_closest_marker("slow_except")
+        callspec = getattr(item, "callspec", None)
+        if mark is not None and (callspec is None or callspec.id not in mark.args):
+            item.add_marker(pytest.mark.slow)

@@ -48,6 +48,7 @@ def test_the_builtin_table_is_aiters_rows_unchanged_with_its_provenance():
     assert table.rows == SOURCE_ROWS and table.cu_counts() == {256}
 
 
+@pytest.mark.slow
 def test_the_builtin_table_is_in_the_wheel(tmp_path):
     """``pip install .`` (a wheel), not only an editable install, carries the table and its checksum."""
     proc = subprocess.run(
@@ -280,6 +281,7 @@ def doctor_json(**env: str) -> dict:
     return json.loads(proc.stdout)
 
 
+@pytest.mark.slow
 def test_doctor_reports_the_builtin_table_and_its_arm_for_all_72_rows():
     data = doctor_json(AITER_DOUBLE_FLYDSL="gfx950")
     table = data["tuned_table"]
@@ -327,6 +329,7 @@ def test_doctor_names_why_no_table_is_in_use(aiter_as, monkeypatch, flydsl, vari
         assert "bench --tune" in table["note"]
 
 
+@pytest.mark.slow
 def test_the_committed_routing_result_is_what_this_code_routes(tmp_path):
     """benchmarks/table_routing.py replayed now equals its committed result, which beats both policies."""
     import json
@@ -386,6 +389,7 @@ def test_the_readmes_speed_grid_and_summary_are_the_builtin_tables():
     )
 
 
+@pytest.mark.slow
 def test_doctor_shows_the_bad_explicit_table_and_the_source_used_instead(tmp_path):
     bad = tmp_path / "bad.csv"
     bad.write_text(table_text(row(cu=256, batch=1, backend="nope")))
@@ -401,6 +405,7 @@ def test_doctor_shows_the_bad_explicit_table_and_the_source_used_instead(tmp_pat
     assert off["origin"] == "off" and off["source"] is None and not off["ignored"]
 
 
+@pytest.mark.slow
 def test_doctor_off_rocm_calls_a_valid_table_valid(tmp_path):
     """No ROCm arch here: a valid table is 'valid, N rows; none for this machine', not a broken file."""
     from conftest import simulation_env

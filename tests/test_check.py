@@ -301,6 +301,7 @@ def plant(monkeypatch, old: str, new: str) -> int:
 
 @pytest.mark.mutation
 @pytest.mark.parametrize("bug", MUTATIONS)
+@pytest.mark.slow_except("raw (B, next_n) table to the kernel")
 def test_check_catches_planted_routing_bug(bug, target, workspace, monkeypatch, capsys):
 
     old, new, failing_case = MUTATIONS[bug]
@@ -310,6 +311,7 @@ def test_check_catches_planted_routing_bug(bug, target, workspace, monkeypatch, 
     assert f"FAIL {failing_case}: " in out, out
 
 
+@pytest.mark.slow
 def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, workspace, target):
     monkeypatch.setattr(target, "_ON_GFX950", False)
     rc, out = run_check(capsys)
@@ -318,6 +320,7 @@ def test_check_without_gfx950_uses_the_mirror_and_says_why(monkeypatch, capsys, 
     assert ALL_PASS in out
 
 
+@pytest.mark.slow
 def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspace):
     from vllm._aiter_ops import rocm_aiter_ops
 
@@ -327,6 +330,7 @@ def test_check_with_aiter_disabled_uses_the_mirror(monkeypatch, capsys, workspac
     assert "VLLM_ROCM_USE_AITER is not 1" in out
 
 
+@pytest.mark.slow
 def test_a_shape_stock_itself_rejects_passes_when_the_patched_call_delegates_alike(
     target, workspace, monkeypatch, capsys
 ):
@@ -361,6 +365,7 @@ def test_a_patched_call_that_raises_where_stock_does_not_fails(target, workspace
 
 
 @pytest.mark.parametrize("flydsl,dispatcher", [("general", False), ("gfx950", False), ("gfx950", True)])
+@pytest.mark.slow
 def test_check_applies_the_found_variants_contract(
     flydsl, dispatcher, aiter_as, target, workspace, monkeypatch, capsys
 ):
@@ -394,6 +399,7 @@ def test_check_applies_the_found_variants_contract(
     assert " FlyDSL    FlyDSL " in glm
 
 
+@pytest.mark.slow
 def test_check_fails_a_flydsl_arm_that_writes_past_the_read_windows(target, workspace, monkeypatch, capsys):
     """FlyDSL writes exactly the read columns (hence no -inf prefill): check holds it to that."""
     from vllm_flydsl_indexer.tools import arms as arms_module
@@ -456,6 +462,7 @@ def test_check_in_a_patched_process_compares_against_the_original(installed, wor
 
 
 @pytest.mark.parametrize(("value", "said"), [("0", "off"), ("garbage", "warning"), (None, "on")])
+@pytest.mark.slow
 def test_check_says_when_the_self_test_is_off_or_its_variable_did_not_parse(
     target, workspace, monkeypatch, capsys, value, said
 ):

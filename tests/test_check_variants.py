@@ -103,6 +103,7 @@ def test_agreement_self_test_names_each_disagreement():
     assert [r.part for r in results] == ["NaN read", "-inf mask DIFFERENT", "rel diff above the rule"]
 
 
+@pytest.mark.slow
 def test_check_puts_the_found_api_first(aiter_as, target, workspace, capsys):
     from tests.test_check import SMALL, run_check
 
@@ -119,6 +120,7 @@ def test_check_puts_the_found_api_first(aiter_as, target, workspace, capsys):
     assert lines[-1] == "68 passed, 0 failed (reference contracts, not the real kernels)"
 
 
+@pytest.mark.slow
 def test_check_passes_on_a_device_with_many_cus(monkeypatch, target, workspace, capsys):
     """On a GPU the CU count is not 1 (132 on an H200, 256 on an MI355X): every expected SplitKV
     must use the CUs of the device the call's own tensors are on, as the router does (a shapes-only

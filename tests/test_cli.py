@@ -51,6 +51,7 @@ def test_doctor_on_simulated_gfx950_reports_flydsl_and_strict_passes():
     assert cli(["doctor", "--strict"], env).returncode == 0
 
 
+@pytest.mark.slow
 def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     env = simulation_env(**{envs.SWITCH: "maybe"})
     data = json.loads(cli(["doctor", "--json"], env).stdout)
@@ -78,6 +79,7 @@ def test_doctor_switch_off_on_gfx950_reports_every_gate_and_strict_fails():
     )
 
 
+@pytest.mark.slow
 def test_doctor_names_the_aiter_gate_and_imports_no_aiter():
     env = simulation_env(**{envs.SWITCH: "1", "VLLM_ROCM_USE_AITER": "0"})
     data = json.loads(cli(["doctor", "--json"], env).stdout)
@@ -95,6 +97,7 @@ def test_doctor_names_the_aiter_gate_and_imports_no_aiter():
     assert data["arm"] == "stock"
 
 
+@pytest.mark.slow
 def test_doctor_with_vllm_but_not_rocm():
     env = simulation_env(rocm=False, aiter=False, **{envs.SWITCH: "1"})
     data = json.loads(cli(["doctor", "--json"], env).stdout)
@@ -122,6 +125,7 @@ def test_doctor_with_vllm_but_not_rocm():
     assert cli(["doctor", "--strict"], env).returncode == 1
 
 
+@pytest.mark.slow
 def test_doctor_without_vllm():
     env = no_vllm_env(**{envs.SWITCH: "1"})
     text = cli(["doctor"], env)
@@ -137,6 +141,7 @@ def test_doctor_without_vllm():
 
 
 @pytest.mark.parametrize("machine", ["gfx950-sim", "no-rocm", "no-vllm"])
+@pytest.mark.slow_except("no-vllm")
 def test_check_passes_with_reference_arms_and_says_so(machine):
     env = {"gfx950-sim": simulation_env(), "no-rocm": simulation_env(rocm=False), "no-vllm": no_vllm_env()}[
         machine
@@ -157,6 +162,7 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
     assert "check [" in proc.stderr  # progress bar
 
 
+@pytest.mark.slow
 def test_check_fails_on_disagreement(monkeypatch, capsys):
     """A FlyDSL arm that is wrong must turn check red."""
     from vllm_flydsl_indexer.tools import arms, check
@@ -270,6 +276,7 @@ def test_bench_skips_pools_and_logits_over_two_gib():
     assert Shape(64, 128, 64, 2, 2048, 131072).skipped(64) == "skipped: logits buffer >= 2 GiB"
 
 
+@pytest.mark.slow
 def test_python_m_entry_and_console_script_agree():
     exe = os.path.join(os.path.dirname(sys.executable), "vllm-flydsl-indexer")
     env = no_vllm_env()
@@ -641,6 +648,7 @@ def test_progress_in_a_log_is_one_plain_line_per_step():
 # ---------------------------------------------------------------- does what it says
 
 
+@pytest.mark.slow
 def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys):
     from vllm_flydsl_indexer.tools import cli as cli_mod
 

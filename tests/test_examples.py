@@ -57,6 +57,8 @@ ACTIVE = f"{envs.ACTIVE_LINE} (aiter FlyDSL replaces stock)"
 STOCK = f"{envs.STOCK_LINE} {SWITCH} is not set (1/true enables it))"
 DISAGREE = f"{envs.HEAD} FlyDSL and stock {envs.DISAGREE_LINE} on the first eligible call: x"
 MODEL_STOCK = f"{envs.MODEL_STOCK_LINE} deepseek_v4 runs aiter's MXFP4 indexer (...)"
+# The examples' scripts and helpers, not the plugin's routing: all in the slow set.
+pytestmark = pytest.mark.slow
 
 
 @cache

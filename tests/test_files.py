@@ -136,6 +136,7 @@ def test_a_regular_table_through_a_link_still_loads(tmp_path):
     assert table.rows == 1
 
 
+@pytest.mark.slow
 def test_doctor_reports_a_fifo_table_and_ray_file_as_ignored_and_exits_0(tmp_path, fifo):
     root = tmp_path / "vllm_config"
     root.mkdir()
@@ -286,6 +287,7 @@ def test_a_tuned_table_never_gets_two_rows_of_one_key():
 # ------------------------------------------------------------------ a closed pipe
 
 
+@pytest.mark.slow
 def test_a_closed_pipe_exits_quietly():
     env = simulation_env()
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], PACKAGE_ROOT])
@@ -349,6 +351,7 @@ def test_check_and_doctor_take_the_same_model_names(tmp_path, no_work, monkeypat
 # ------------------------------------------------------------------ doctor --model without vLLM
 
 
+@pytest.mark.slow
 def test_doctor_model_without_vllm_answers_from_the_package(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "glm_moe_dsa", "index_n_heads": 32}))
     for model in [*reach.MODELS, str(tmp_path)]:

@@ -85,6 +85,7 @@ def leftovers(directory) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.endswith(".tmp"))
 
 
+@pytest.mark.slow
 def test_bench_sigint_keeps_the_finished_shapes(tmp_path):
     """First Ctrl-C: the shape under way is dropped at its next call, then every requested file is written
     with what finished."""
@@ -313,6 +314,7 @@ def test_progress_says_done_only_when_every_step_finished(stopped, error, last):
     assert last in stream.getvalue().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_tune_sigint_merges_the_finished_rows_and_says_so(tmp_path):
     """bench --tune: the rows measured before a Ctrl-C are merged and written, earlier rows kept."""
     from vllm_flydsl_indexer import tuning
@@ -347,6 +349,7 @@ def test_tune_sigint_merges_the_finished_rows_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("command", ["bench", "tune"])
+@pytest.mark.slow_except("tune")
 def test_a_stop_waits_for_one_timed_call_not_for_the_repeats(tmp_path, monkeypatch, capsys, command):
     """A signal during a long --repeats ends the run at the next call: the shape under way is dropped,
     what finished is written, exit 130. A loop that checked only between shapes would run on."""

@@ -255,6 +255,7 @@ def self_test_arms(variant: str, heads: int, kvb: int, next_n: int) -> list[str]
 @pytest.mark.parametrize(
     "variant,dispatcher", [("general", False), ("gfx950", False), ("gfx950-early", False), ("general", True)]
 )
+@pytest.mark.slow_except("general-False", "gfx950-False")
 def test_each_variant_takes_exactly_its_shapes_and_agrees(
     target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls, variant, dispatcher
 ):

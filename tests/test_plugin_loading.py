@@ -49,6 +49,7 @@ def probe(env: dict) -> dict:
 
 
 @pytest.mark.parametrize("plugins", [None, "flydsl_indexer"])
+@pytest.mark.slow_except("None")
 def test_loader_activates_plugin_on_simulated_gfx950(plugins):
     extra = {envs.SWITCH: "1"}
     if plugins is not None:
@@ -64,12 +65,14 @@ def test_loader_activates_plugin_on_simulated_gfx950(plugins):
     assert result["factors_unchanged"], result["new_factors"]
 
 
+@pytest.mark.slow
 def test_allowlist_without_plugin_skips_it():
     result = probe(simulation_env(**{envs.SWITCH: "1", "VLLM_PLUGINS": "some_other_plugin"}))
     assert result["patched"] is False
     assert result["lines"] == []
 
 
+@pytest.mark.slow
 def test_switch_off_imports_nothing_more():
     # Other variables of the plugin set, the switch not: still nothing in vLLM changes.
     result = probe(simulation_env(**{envs.VERIFY: "1", envs.TUNED_CSV: "/nonexistent.csv"}))
@@ -90,6 +93,7 @@ def test_switch_off_imports_nothing_more():
     }, result["new_modules"]
 
 
+@pytest.mark.slow
 def test_not_gfx950_stays_stock():
     result = probe(simulation_env(gfx950=False, **{envs.SWITCH: "1"}))
     assert result["patched"] is False
@@ -97,12 +101,14 @@ def test_not_gfx950_stays_stock():
     assert result["aiter_after_load"] == []  # vLLM would not import aiter here either
 
 
+@pytest.mark.slow
 def test_vllm_without_rocm_stays_stock():
     result = probe(simulation_env(rocm=False, **{envs.SWITCH: "1"}))
     assert result["patched"] is False
     assert "FlyDSL inactive: not ROCm" in result["lines"][0]
 
 
+@pytest.mark.slow
 def test_no_aiter_stays_stock():
     result = probe(simulation_env(aiter=False, **{envs.SWITCH: "1"}))
     assert result["patched"] is False
@@ -113,6 +119,7 @@ def test_no_aiter_stays_stock():
     )
 
 
+@pytest.mark.slow
 def test_aiter_disabled_imports_no_aiter():
     result = probe(simulation_env(**{envs.SWITCH: "1", "VLLM_ROCM_USE_AITER": "0"}))
     assert result["patched"] is False

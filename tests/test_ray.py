@@ -151,6 +151,7 @@ def ray_results(tmp_path_factory) -> list[dict]:
     return results
 
 
+@pytest.mark.slow
 def test_ray_actor_gets_the_plugins_variables_and_is_active(ray_results):
     result = ray_results[0]
     assert {envs.SWITCH, "VLLM_ROCM_USE_AITER", envs.TUNED_CSV, "PYTHONPATH"} <= set(result["sent"])
@@ -161,6 +162,7 @@ def test_ray_actor_gets_the_plugins_variables_and_is_active(ray_results):
     assert result["table"] == result["table_path"]
 
 
+@pytest.mark.slow
 def test_switch_in_the_non_carry_over_file_leaves_the_actor_stock(ray_results):
     result = ray_results[1]
     assert envs.SWITCH not in result["sent"] and envs.SWITCH not in result["environ"]

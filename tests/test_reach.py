@@ -186,6 +186,7 @@ def test_bad_model_is_one_line_exit_2_before_any_work(tmp_path, make, words):
     assert ", ".join(reach.MODELS) in line
 
 
+@pytest.mark.slow
 def test_doctor_json_carries_the_model_verdict_on_simulated_gfx950(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32"}))
     done = cli(
@@ -428,6 +429,7 @@ def test_readme_model_table_agrees_with_doctor(model_type):
     ("raises", "where"),
     [("ImportError('boom')", "path"), ("ImportError('boom')", "cwd"), ("RuntimeError('boom')", "cwd")],
 )
+@pytest.mark.slow
 def test_doctor_answers_whatever_a_broken_vllm_raises_on_import(tmp_path, raises, where):
     """A ``vllm`` package that raises on import (on PYTHONPATH, or in the current directory, which
     ``python -m`` puts first on the path): every doctor form answers, exit 0, and says vLLM is broken."""

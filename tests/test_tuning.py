@@ -357,6 +357,7 @@ TUNE_ARGS = [
 ]
 
 
+@pytest.mark.slow
 def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsys):
     from vllm_flydsl_indexer.tools import cli
 
@@ -568,6 +569,7 @@ def _no_permission(path):
     [_directory, _not_utf8, _nul_bytes, _oversize_field, _empty, _header_only, _no_permission],
     ids=lambda f: f.__name__.strip("_"),
 )
+@pytest.mark.slow_except("directory", "not_utf8")
 def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plugin_log, capsys):
     from vllm_flydsl_indexer.tools import doctor
 
@@ -636,6 +638,7 @@ def tune_with_fake_times(monkeypatch, tmp_path, times: dict, extra: tuple[str, .
         return list(csv.DictReader(f)), launched, rc
 
 
+@pytest.mark.slow
 def test_tune_sweeps_aiters_wg_per_cu_values_and_writes_the_winner(monkeypatch, tmp_path):
     from vllm_flydsl_indexer import kernels
 
@@ -655,6 +658,7 @@ def test_tune_sweeps_aiters_wg_per_cu_values_and_writes_the_winner(monkeypatch, 
     assert table.choice(1, 4, 1, 32, 128, 64) == tuning.Pick("flydsl", 4, 2)
 
 
+@pytest.mark.slow
 def test_tune_writes_a_gluon_row_with_stocks_knobs_when_stock_wins(monkeypatch, tmp_path):
     rows, _, rc = tune_with_fake_times(monkeypatch, tmp_path, {"gluon": 1.0, 1: 5.0, 2: 3.0, 3: 4.0, 4: 2.5})
     assert rc == 0
@@ -714,6 +718,7 @@ def reference_tune(path, *extra: str) -> int:
 
 @pytest.mark.parametrize("bom", [False, True], ids=["plain", "bom"])
 @pytest.mark.parametrize("crlf", [False, True], ids=["lf", "crlf"])
+@pytest.mark.slow_except("lf-plain")
 def test_tune_merges_into_a_copy_of_the_builtin_table_keeping_its_comments(tmp_path, capsys, bom, crlf):
     """The package's own table (``#`` provenance lines first) is a table bench --tune merges into,
     whatever a spreadsheet did to it (a byte-order mark, CRLF); it writes LF, comments kept in place."""
