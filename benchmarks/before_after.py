@@ -43,7 +43,8 @@ def revision(root: Path) -> str:
     head = subprocess.run(
         ["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
     )
-    dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True)
+    status = ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]
+    dirty = subprocess.run(status, capture_output=True, text=True)
     return head.stdout.strip() + (" (uncommitted changes)" if dirty.stdout.strip() else "")
 
 
@@ -53,7 +54,9 @@ def run(root: Path, next_n: int, calls: int, rounds: int) -> dict:
         env = dict(os.environ, PYTHONPATH=str(root / "src"))
         command = [sys.executable, str(root / "benchmarks" / "host_overhead.py"), "--json", str(out)]
         command += ["--next-n", str(next_n), "--calls", str(calls), "--rounds", str(rounds)]
-        subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, cwd=root)
+        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=root)
+        if done.returncode != 0:
+            sys.exit(f"{root}: host_overhead.py failed ({done.returncode}):\n{done.stderr[-4000:]}")
         return json.loads(out.read_text())
 
 
