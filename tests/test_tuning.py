@@ -400,6 +400,29 @@ def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsy
     assert foreign.read_text() == "a,b\n1,2\n"
 
 
+def test_a_tune_file_is_judged_in_the_readers_order(tmp_path):
+    """A header missing a column: not a table. A bad row: not merged into, whatever the header's order.
+    A header of every column in another order, with valid rows: not a table."""
+    from vllm_flydsl_indexer.tools import cli_args
+
+    good, bad = row(), row(backend="nope")
+    reordered = ",".join(reversed(tuning.COLUMNS))
+    cases = {
+        "missing.csv": (HEADER.replace(",wg_per_cu", "") + "\n" + bad + "\n", "is not an aiter-format"),
+        "bad_row.csv": (reordered + "\n" + ",".join(reversed(bad.split(","))) + "\n", "not merging into it"),
+        "reordered.csv": (
+            reordered + "\n" + ",".join(reversed(good.split(","))) + "\n",
+            "is not an aiter-format",
+        ),
+    }
+    for name, (text, expected) in cases.items():
+        path = tmp_path / name
+        path.write_text(text)
+        table, problem = cli_args.tune_file(str(path))
+        assert table is None and problem is not None and expected in problem, (name, problem)
+    assert cli_args.tune_file(str(tmp_path / "absent.csv")) == (None, None)
+
+
 def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
     from vllm_flydsl_indexer.tools import doctor
 

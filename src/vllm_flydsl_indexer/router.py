@@ -211,7 +211,7 @@ def call_facts(args: tuple, dcp_world_size: int) -> tuple:
         q.is_contiguous(),
         w.is_contiguous(),
         q.device,
-    )  # noqa: E501
+    )
 
 
 @dataclass(slots=True)

@@ -529,18 +529,19 @@ def tune_file(
         return None, None  # a new table (or a symlink to one: written through, as every output)
     try:
         text = files.read_text(path)
-        if not any(
-            line.strip() and not line.lstrip().startswith(tuning.COMMENT) for line in text.splitlines()
-        ):
+        found = _header(text)
+        if found is None:  # blank and ``#`` lines only: a new table under them
             return tuning.read_table([*text.splitlines(keepends=True), ",".join(tuning.COLUMNS)], path), None
-        not_a_table = _not_a_table(text, path)
-        if not_a_table is not None:
-            return None, (
-                f"argument --tune: {path} is not an aiter-format tuned CSV ({not_a_table}; expected the "
-                f"header {','.join(tuning.COLUMNS)}); not overwriting it: give a new, empty or earlier "
-                "--tune file"
-            )
-        return tuning.read_table(io.StringIO(text, newline=""), path), None
+        # Refused in the reader's order: a header missing a column (not a table), a row check_row refuses
+        # (not merged into), then a header of another order or with more columns (not a table either).
+        number, header = found
+        missing = [c for c in tuning.COLUMNS if c not in header]
+        if missing:
+            return None, _not_a_table(path, f"{path}: line {number}: missing column(s) {', '.join(missing)}")
+        table = tuning.read_table(io.StringIO(text, newline=""), path)
+        if tuple(table[0]) != tuning.COLUMNS:
+            return None, _not_a_table(path, f"{path}: header {','.join(table[0])}")
+        return table, None
     except tuning.TableError as e:
         return (
             None,
@@ -553,18 +554,24 @@ def tune_file(
         return None, f"argument --tune: cannot read {path} ({e}); not overwriting it"
 
 
-def _not_a_table(text: str, path: str) -> str | None:
-    """Why ``text``'s header (its first line that is neither blank nor ``#``) is not aiter's, or ``None``."""
+def _header(text: str) -> tuple[int, list[str]] | None:
+    """The line number and cells of ``text``'s header (its first line neither blank nor ``#``; the reader
+    already dropped a byte-order mark), or ``None``."""
     from vllm_flydsl_indexer import tuning
 
-    for number, line in enumerate(text.removeprefix("\ufeff").splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if line.strip() and not line.lstrip().startswith(tuning.COMMENT):
-            header = next(csv.reader([line]))
-            missing = [c for c in tuning.COLUMNS if c not in header]
-            if missing:
-                return f"{path}: line {number}: missing column(s) {', '.join(missing)}"
-            return None if tuple(header) == tuning.COLUMNS else f"{path}: header {','.join(header)}"
+            return number, next(csv.reader([line]))
     return None
+
+
+def _not_a_table(path: str, why: str) -> str:
+    from vllm_flydsl_indexer import tuning
+
+    return (
+        f"argument --tune: {path} is not an aiter-format tuned CSV ({why}; expected the header "
+        f"{','.join(tuning.COLUMNS)}); not overwriting it: give a new, empty or earlier --tune file"
+    )
 
 
 OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))
