@@ -51,6 +51,21 @@ def test_active_under_gfx950_simulation_logs_one_line(target, original, installe
     assert vars(target)[TARGET] is original
 
 
+def test_register_reads_vllms_target_once(target, original, monkeypatch, fresh_register, plugin_log):
+    """The target gate's audit (vLLM's source read and parsed) and hooks are what the install uses."""
+    from vllm_flydsl_indexer import target as target_module
+
+    audited = []
+    audit = target_module.audit
+    monkeypatch.setattr(target_module, "audit", lambda fn: audited.append(fn) or audit(fn))
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    installed = patch.installed()
+    assert installed is not None, lines(plugin_log)
+    assert audited == [original]
+    assert installed.router.hooks.per_sequence_lens is target._per_sequence_context_lens
+
+
 def test_register_twice_wraps_once(target, original, monkeypatch, fresh_register, plugin_log):
     monkeypatch.setenv(envs.SWITCH, "true")
     fresh_register()

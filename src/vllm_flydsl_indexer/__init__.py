@@ -105,7 +105,15 @@ def _register(logger: logging.Logger) -> None:
         self_test = envs.read_self_test()
         if self_test.error:
             decision.warnings.append(self_test.error)
-        patch.install(decision.target_module, decision.variant, logger, verifier, table, self_test.enabled)
+        patch.install(
+            decision.target_module,
+            decision.variant,
+            logger,
+            verifier,
+            table,
+            self_test.enabled,
+            decision.hooks,
+        )
     line = decision.log_line()
     if decision.warnings:
         line = f"{line} [{'; '.join(decision.warnings)}]"

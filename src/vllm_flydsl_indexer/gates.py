@@ -62,6 +62,8 @@ class Decision:
     table: str | None = None
     # vLLM routes the call to FlyDSL itself: the plugin patches and registers nothing.
     in_tree: bool = False
+    # The router's vLLM hooks the target gate resolved (its content checked), for the install to use.
+    hooks: target.StockHooks | None = None
 
     def log_line(self) -> str:
         """The one line ``register()`` logs: ACTIVE with what replaces what, or stock with the reason."""
@@ -192,27 +194,25 @@ def _check_aiter() -> Gate:
     return Gate("aiter", True, "VLLM_ROCM_USE_AITER=1 and aiter is installed")
 
 
-def _check_target() -> tuple[Gate, ModuleType | None]:
-    """The target's signature, then its content and every vLLM name the router's hooks resolve."""
+def _check_target() -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
+    """The target's signature, then its content and every vLLM name the router's hooks resolve: the
+    gate, and the module and its hooks where it passes (the install uses these, not a second audit)."""
     try:
         module = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001
-        return Gate("target", False, f"{TARGET_MODULE} unimportable ({type(e).__name__}: {e})"), None
+        return Gate("target", False, f"{TARGET_MODULE} unimportable ({type(e).__name__}: {e})"), None, None
     fn = unpatched(vars(module).get(TARGET_NAME))
     problem = signature_problem(fn)
     if problem is not None:
-        return Gate("target", False, f"{TARGET_MODULE}.{TARGET_NAME}: {problem}"), None
+        return Gate("target", False, f"{TARGET_MODULE}.{TARGET_NAME}: {problem}"), None, None
     try:
-        target.vllm_stock_hooks(module)  # what patch.install resolves, resolved here first
+        hooks = target.vllm_stock_hooks(module)
     except target.ContentDrift as e:
-        return Gate("target", False, str(e)), None
+        return Gate("target", False, str(e)), None, None
     except Exception as e:  # noqa: BLE001
-        return Gate("target", False, f"vLLM's names unresolvable ({type(e).__name__}: {e})"), None
-    return Gate(
-        "target",
-        True,
-        f"{TARGET_MODULE}.{TARGET_NAME} has the supported signature and does what was audited",
-    ), module
+        return Gate("target", False, f"vLLM's names unresolvable ({type(e).__name__}: {e})"), None, None
+    passed = f"{TARGET_MODULE}.{TARGET_NAME} has the supported signature and does what was audited"
+    return Gate("target", True, passed), module, hooks
 
 
 def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> Decision:
@@ -222,10 +222,10 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
     verify = envs.read_flag(envs.VERIFY, environ)
     allow = envs.read_flag(envs.ALLOW_UNTESTED_VLLM, environ)
     warnings = [f.error for f in (switch, verify, allow) if f.error]
-    lookup = module = None
+    lookup = module = hooks = None
 
     def run_gates():
-        nonlocal lookup, module
+        nonlocal lookup, module, hooks
         yield (
             Gate("switch", True, f"{envs.SWITCH}={switch.raw}")
             if switch.enabled
@@ -247,7 +247,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
                 yield Gate("kernel", False, f"aiter has no usable FlyDSL kernel ({lookup.reason})")
             else:
                 yield Gate("kernel", True, f"found {found.location}: {found.name} ({found.description})")
-        target_gate, module = _check_target()
+        target_gate, module, hooks = _check_target()
         yield target_gate
 
     gates: list[Gate] = []
@@ -262,6 +262,5 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         return Decision(
             False, failed.detail, gates, variant, verify=verify.enabled, warnings=warnings, in_tree=in_tree
         )
-    return Decision(
-        True, "all gates passed", gates, variant, module, verify.enabled, warnings, gcn_arch=gcn_arch()
-    )
+    passed = "all gates passed"
+    return Decision(True, passed, gates, variant, module, verify.enabled, warnings, gcn_arch(), hooks=hooks)

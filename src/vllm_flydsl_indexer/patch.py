@@ -38,6 +38,7 @@ from vllm_flydsl_indexer.target import (
     MXFP4_DEFAULT_FUNCTION,
     MXFP4_DEFAULT_MODULE,
     TARGET_NAME,
+    StockHooks,
     config_objection,
     vllm_stock_hooks,
 )
@@ -130,15 +131,18 @@ def install(
     verifier: Callable | None = None,
     table: TunedTable | None = None,
     self_test: bool = True,
+    hooks: StockHooks | None = None,
 ) -> InstalledPatch:
-    """Replace every binding of the target with the router. Idempotent. Resolves the router's vLLM hooks
-    first (:func:`vllm_stock_hooks`), so a drifted target raises before anything changes."""
+    """Replace every binding of the target with the router. Idempotent. ``hooks``: the router's vLLM hooks
+    the target gate resolved; without them they are resolved first (:func:`vllm_stock_hooks`), so a
+    drifted target raises before anything changes."""
     global _installed
     current = vars(target)[TARGET_NAME]
     if getattr(current, MARKER, False):
         assert _installed is not None
         return _installed
-    hooks = vllm_stock_hooks(target)
+    if hooks is None:
+        hooks = vllm_stock_hooks(target)
     router = FlyDSLRouter(
         current, variant, hooks, logger, verifier=verifier, table=table, self_test=self_test
     )
