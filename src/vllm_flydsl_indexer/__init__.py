@@ -10,9 +10,10 @@ routes to it itself, WARNING when the switch is on and FlyDSL is not. It never r
 
 from __future__ import annotations
 
+import functools
 import logging
-
-__all__ = ["register"]
+import os
+import sys
 
 __version__ = "0.1.0"
 
@@ -26,10 +27,6 @@ def _register_environment_variables() -> None:
     of the plugin's can change a compiled graph (the indexer op is opaque to Dynamo), so
     ``compile_factors`` is wrapped to leave them out, as vLLM's own ``ignored_factors``.
     """
-    import functools
-    import os
-    import sys
-
     from vllm_flydsl_indexer import envs
 
     vllm_envs = sys.modules.get("vllm.envs")
@@ -40,18 +37,19 @@ def _register_environment_variables() -> None:
     for name in names:
         table[name] = envs.getter(name)
     factors = getattr(vllm_envs, "compile_factors", None)
-    if not names or not callable(factors) or envs.is_own_getter(factors):
+    if not names or not callable(factors) or getattr(factors, envs.OWN_GETTER, False):
         return
 
     @functools.wraps(factors)
     def compile_factors() -> dict[str, object]:
         hashed = factors()
         for name in envs.ALL_VARIABLES:
-            if envs.is_own_getter(table.get(name)):
+            if getattr(table.get(name), envs.OWN_GETTER, False):
                 hashed.pop(name, None)
         return hashed
 
-    vllm_envs.compile_factors = envs.mark_own(compile_factors)
+    setattr(compile_factors, envs.OWN_GETTER, True)
+    vllm_envs.compile_factors = compile_factors
 
 
 def register() -> None:
@@ -60,9 +58,15 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    from vllm_flydsl_indexer.envs import STOCK_LINE, get_logger
+    from vllm_flydsl_indexer.envs import LOGGER_NAME, STOCK_LINE, get_logger
 
-    logger = get_logger()
+    try:
+        logger = get_logger()
+    except (Exception, SystemExit) as e:  # noqa: BLE001 - vLLM's logger itself is broken: say so, go stock
+        logging.getLogger(LOGGER_NAME).warning(
+            "%s vllm.logger unusable: %s: %s)", STOCK_LINE, type(e).__name__, e
+        )
+        return
     try:
         _register(logger)
     except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
@@ -71,53 +75,41 @@ def register() -> None:
 
 def _register(logger: logging.Logger) -> None:
     from vllm_flydsl_indexer import envs
-    from vllm_flydsl_indexer.envs import STOCK_LINE
 
-    switch = envs.read_flag(envs.SWITCH)
-    if not switch.enabled:
-        # Off: import nothing more, change nothing in vLLM, and stay quiet (vLLM's
-        # loader already lists the plugins it loads); a malformed switch is a WARNING.
-        reason = envs.off_reason(switch)
-        level = logging.WARNING if switch.error else logging.DEBUG
-        logger.log(level, "%s %s)", STOCK_LINE, reason)
+    switch, error = envs.read_flag(envs.SWITCH)
+    if not switch:
+        # Off: import nothing more, change nothing in vLLM, and stay quiet (vLLM's loader already lists the
+        # plugins it loads); a malformed switch is a WARNING.
+        logger.log(
+            logging.WARNING if error else logging.DEBUG,
+            "%s %s)",
+            envs.STOCK_LINE,
+            envs.off_reason(envs.SWITCH),
+        )
         return
-
     from vllm_flydsl_indexer import gates
 
     decision = gates.evaluate()
-    if decision.in_tree:
-        # vLLM declares the switch or routes to FlyDSL itself: it owns the variables and the call.
+    if decision.in_tree:  # vLLM declares the switch itself: it owns the variables and the call
         logger.info("%s", decision.log_line())
         return
     _register_environment_variables()
     if decision.active:
-        from vllm_flydsl_indexer import patch, selftest
+        from vllm_flydsl_indexer import patch, router, tuning
 
-        verifier = selftest.make_verifier() if decision.verify else None
-        assert decision.target_module is not None and decision.variant is not None
+        variant = decision.variant
         table = None
-        if not decision.variant.own_table:
-            from vllm_flydsl_indexer import tuning
-
-            source = tuning.env_source(decision.variant.name)
-            table = tuning.load_source(source, tuning.arch_of(decision.gcn_arch or ""), logger)
-            decision.table = tuning.in_use(source, table)
-        self_test = envs.read_self_test()
-        if self_test.error:
-            decision.warnings.append(self_test.error)
+        if not variant.own_table:
+            table, decision.table = tuning.load(variant.name, tuning.arch_of(decision.gcn_arch or ""), logger)
+        self_test, error = envs.read_flag(envs.SELFTEST, default=True)
+        decision.warnings += [error] if error else []
         patch.install(
             decision.target_module,
-            decision.variant,
-            logger,
-            verifier,
-            table,
-            self_test.enabled,
-            decision.hooks,
+            lambda original: router.FlyDSLRouter(
+                original, variant, decision.hooks, logger, table=table, self_test=self_test
+            ),
         )
-    line = decision.log_line()
-    if decision.warnings:
-        line = f"{line} [{'; '.join(decision.warnings)}]"
-    # The user asked for FlyDSL: not getting it (or getting it with caveats) is a
-    # WARNING, so it shows even where vLLM has not configured logging at INFO.
-    level = logging.INFO if decision.active and not decision.warnings else logging.WARNING
-    logger.log(level, "%s", line)
+    line = decision.log_line() + (f" [{'; '.join(decision.warnings)}]" if decision.warnings else "")
+    # The user asked for FlyDSL: not getting it (or getting it with caveats) is a WARNING, so it shows even
+    # where vLLM has not configured logging at INFO.
+    logger.log(logging.INFO if decision.active and not decision.warnings else logging.WARNING, "%s", line)

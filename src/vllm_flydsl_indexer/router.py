@@ -1,21 +1,22 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The route: every rule of the decode step, the memo, the guards and the one net. Imports no vLLM.
+"""The route: the rules of the decode step, the memo, the guards and the one net. Imports no vLLM.
 
 :class:`FlyDSLRouter` is what the patch installs in place of ``rocm_fp8_paged_mqa_logits``. A call is
 either taken, and launched on the identified FlyDSL API, or handed to the original unchanged. The
 decision reads shapes, dtypes, strides, Python arguments and the calling module, never a tensor value:
 no host sync, and the same during CUDA/HIP graph capture as outside it.
 
-**The rules** (:data:`RULES`), in order: each is a function ``(call, router) -> None | reason``; the
-first reason is what the log says, once ("why did this call stay stock?"). None reads vLLM's modules
-(stock's questions go to the hooks resolved at start-up), so the verdict is memoised on the call's
-signature: q's, the cache's and the bounds' shapes, the cache's contiguity, ``max_model_len``,
-``compress_ratio`` and the caller. A stock verdict is reused as it is; a FlyDSL verdict is launched only
-while the call's other facts (:func:`call_facts`) are the ones it was decided on.
+**The rules** (:func:`objection`), in order, the first reason being what the log says, once per shape:
+only the call stock sends to aiter's Gluon; a layer-contiguous cache; the found API's exact contract;
+written columns equal read columns, per caller; stock's ``Preshuffle``; with aiter's dispatcher, only its
+FlyDSL picks; a measured table's per-shape choice. None reads vLLM's modules (stock's questions go to the
+hooks resolved at start-up), so the verdict is memoised on the call's signature (:func:`memo_key`). A stock
+verdict is reused as it is; a FlyDSL verdict is launched only while the call's other facts
+(:func:`call_facts`) are the ones it was decided on.
 
-**The guards**, from the router's own history: no first-time compile or self-test inside graph capture;
-a shape proves itself (:mod:`~vllm_flydsl_indexer.selftest`, once per shape and kind of bounds) at its
-first call outside capture; a shape whose self-test, kernel or canary failed stays stock.
+**The guards**: no first-time compile or self-test inside graph capture; a shape proves itself
+(:mod:`~vllm_flydsl_indexer.selftest`, once per shape and kind of bounds) at its first call outside
+capture; a shape whose self-test or kernel failed stays stock until the process restarts.
 
 **One net.** Everything the router does for a call runs inside one ``try``: any exception gives the
 caller stock's answer, one ERROR, and that shape stays stock. A kernel's argument check
@@ -29,189 +30,107 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from vllm_flydsl_indexer import selftest
-from vllm_flydsl_indexer.envs import DISAGREE_LINE, HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE, log_once
+from vllm_flydsl_indexer.envs import HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.kernels import (
     AITER_DISTRIBUTIONS,
+    BLOCK_OUTER_NOTE,
     TUNER_WG_PER_CU,
     KernelVariant,
     cu_count,
     explicit_split_kv,
     installed_version,
-    strided_cache_reason,
 )
-from vllm_flydsl_indexer.target import Call, StockHooks, multi_row_objection
-from vllm_flydsl_indexer.tuning import Pick, TunedTable, where
-
-__all__ = [
-    "ARGUMENT_ERRORS", "CANARY_BYTES", "FlyDSLRouter", "KernelConfig", "MAX_MEMOISED_VERDICTS", "RULES",
-    "Route", "call_facts", "canary_sequences", "contiguity_rule", "contract_rule", "describe_configuration",
-    "dispatcher_rule", "gluon_rule", "layout_rule", "pick_for", "table_rule", "window_rule",
-]  # fmt: skip
+from vllm_flydsl_indexer.target import StockHooks, multi_row_objection
+from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
 # What aiter's wrappers raise from their argument checks, before anything is compiled or launched
 # (``assert``, ``raise ValueError``/``TypeError``): they reject that call signature only.
 ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
-# The canary compares at most this many logits rows' bytes (whole sequences, at least one).
-CANARY_BYTES = 4 << 20
+STAYS_STOCK = "This call and every later call of this shape use the stock path until vLLM restarts"
 
 
-# --- The rules, in the order RULES applies them. ---
+def memo_key(q, kv, lens, max_model_len: int, compress_ratio: int, caller: str | None) -> tuple:
+    """What the verdict is memoised on: q's, the cache's and the bounds' shapes, the cache's contiguity,
+    ``max_model_len``, ``compress_ratio`` and the caller."""
+    return (q.shape, kv.shape, kv.is_contiguous(), lens.shape, max_model_len, compress_ratio, caller)
 
 
-def gluon_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """Only the call stock would send to aiter's gfx950 Gluon kernel is ours to change."""
-    reason = router.hooks.gluon_objection(call.compress_ratio, call.kv_cache.shape[1])
-    return None if reason is None else f"stock does not use aiter's Gluon kernel here: {reason}"
-
-
-def contiguity_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """Every FlyDSL API needs a layer-contiguous cache (its contiguity is part of the memo key)."""
-    return None if call.kv_cache.is_contiguous() else strided_cache_reason(call.kv_cache)
-
-
-def contract_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """The found API's exact contract: the common one plus its own limits."""
-    return router.variant.violation(call)
-
-
-def window_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """Written columns equal read columns: FlyDSL writes ``[0, ctx_b - next_n + i]`` of row ``(b, i)``.
-
-    ``ctx_b`` is the last column of vLLM's bounds; the consumers read row ``r`` over ``[0,
-    bounds.reshape(-1)[r])``, or one entry per sequence repeated over its rows. They agree for
-    ``next_n == 1`` with one bound per row, and for ``next_n > 1`` with a ``(B, next_n)`` native table
-    from an audited caller, ``compress_ratio == 1`` and DCP 1. Anything else can read a column FlyDSL
-    never writes, where Gluon writes ``-inf``.
-    """
-    next_n, context_lens = call.q_fp8.shape[1], call.context_lens
-    if next_n == 1:
-        if context_lens.dim() == 2 and context_lens.shape[1] != 1:
-            return f"next_n=1 with {context_lens.shape[1]} bounds per sequence"
-        return None
-    if context_lens.dim() != 2 or context_lens.shape[1] != next_n:
-        return (
-            f"next_n={next_n} without a (B, next_n) bounds table: "
-            "consumers read columns FlyDSL does not write"
-        )
-    objection = multi_row_objection(call.caller)
-    if objection is not None:
-        return objection
-    if call.compress_ratio != 1:
-        return (
-            f"next_n={next_n} with compress_ratio={call.compress_ratio}: compressed bounds are not one apart"
-        )
-    if call.dcp_world_size != 1:
-        return f"next_n={next_n} with decode context parallel size {call.dcp_world_size}: localised bounds"
-    return None
-
-
-def layout_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """FlyDSL is launched with the cache layout (``Preshuffle``) stock passes Gluon, or not at all."""
-    block_size = call.kv_cache.shape[1]
-    layout = router.hooks.preshuffle(block_size)
-    told = router.variant.preshuffle(block_size)
-    if told != layout:
-        return (
-            f"stock reads this KVBlockSize={block_size} cache with Preshuffle={layout}, "
-            f"FlyDSL would be launched with Preshuffle={told}"
-        )
-    return None
-
-
-def dispatcher_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """With aiter's dispatcher only its FlyDSL picks are taken: where its table picks Gluon it would
-    re-tune Gluon's ChunkK/WavePerEU, so vLLM's original runs instead (the switch changes only the kernel)."""
-    objection = router.variant.dispatch_objection
-    return None if objection is None else objection(call, router.variant.preshuffle(call.kv_cache.shape[1]))
-
-
-def pick_for(call: Call, router: FlyDSLRouter, cus: int) -> Pick | None:
-    """The router's table's :class:`~vllm_flydsl_indexer.tuning.Pick` for this call, or ``None``."""
-    if router.table is None:
-        return None
-    batch, next_n, heads, head_dim = call.q_fp8.shape
-    return router.table.choice(cus, batch, next_n, heads, head_dim, call.kv_cache.shape[1])
-
-
-def table_rule(call: Call, router: FlyDSLRouter) -> str | None:
-    """A measured table keeps the call stock where it found stock (Gluon) faster, or where the FlyDSL
-    launch it measured cannot be made: its rows disagree, or the found kernel cannot take the knob."""
-    cus = cu_count(call.q_fp8.device)
-    pick = pick_for(call, router, cus)
-    if pick is None:
-        return None
-    _, next_n, heads, head_dim = call.q_fp8.shape
-    shape = f"heads={heads} head_dim={head_dim} KVBlockSize={call.kv_cache.shape[1]} next_n={next_n}"
-    if pick.backend != "flydsl":
-        return f"{where(router.table, pick, cus)} measured stock (Gluon) faster for {shape}"
-    if pick.conflict is not None:
-        return f"{where(router.table, pick, cus)}: {pick.conflict} for {shape}"
-    problem = router.variant.knob_problem(pick.wg_per_cu)
-    if problem is not None:
-        return f"{where(router.table, pick, cus)} measured FlyDSL with {problem}"
-    return None
-
-
-# In order; the first reason wins.
-RULES = (
-    gluon_rule,  # only the call stock sends to aiter's Gluon
-    contiguity_rule,  # a layer-contiguous cache
-    contract_rule,  # the found API's exact contract and limits
-    window_rule,  # written columns equal read columns, per caller
-    layout_rule,  # launched with stock's Preshuffle
-    dispatcher_rule,  # aiter's dispatcher: only where it launches FlyDSL
-    table_rule,  # a measured table's per-shape choice and its launch
-)
-
-
-# --- The memo and the router. ---
-
-
-class KernelConfig(NamedTuple):
-    """A shape: what FlyDSL compiles, and what the log lines name."""
-
-    heads: int
-    head_dim: int
-    block_size: int
-    next_n: int
-
-    def describe(self) -> str:
-        return (
-            f"heads={self.heads} head_dim={self.head_dim} KVBlockSize={self.block_size} next_n={self.next_n}"
-        )
-
-
-def _config_of(q_fp8: torch.Tensor, kv_cache: torch.Tensor) -> KernelConfig | None:
-    if q_fp8.dim() != 4 or kv_cache.dim() < 2:
-        return None
-    _, next_n, heads, head_dim = q_fp8.shape
-    return KernelConfig(heads, head_dim, kv_cache.shape[1], next_n)
-
-
-def call_facts(args: tuple, dcp_world_size: int) -> tuple:
+def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
     """What the rules read besides the memo key: dtypes, q's and the weights' contiguity, the other
     shapes, the device and the DCP size."""
-    q, kv, w, lens, bt = args[:5]
     return (
-        dcp_world_size,
-        q.dtype,
-        kv.dtype,
-        w.dtype,
-        w.shape,
-        lens.dtype,
-        bt.dtype,
-        bt.shape,
-        q.is_contiguous(),
-        w.is_contiguous(),
-        q.device,
-    )
+        dcp_world_size, q.dtype, kv.dtype, w.dtype, w.shape, lens.dtype, bt.dtype, bt.shape,
+        q.is_contiguous(), w.is_contiguous(), q.device,
+    )  # fmt: skip
+
+
+def describe(shape: tuple) -> str:
+    """A shape ``(heads, head_dim, KVBlockSize, next_n)`` in words."""
+    return "heads={} head_dim={} KVBlockSize={} next_n={}".format(*shape)
+
+
+def objection(
+    router: FlyDSLRouter, args: tuple, compress_ratio: int, caller: str | None, dcp: int
+) -> str | None:
+    """The rules in order: why this call stays stock, or ``None``; reasons name shapes, not batches."""
+    q, kv, w, lens, bt, _, _ = args
+    variant, block_size = router.variant, kv.shape[1]
+    reason = router.hooks.gluon_objection(compress_ratio, block_size)
+    if reason is not None:
+        return f"stock does not use aiter's Gluon kernel here: {reason}"
+    if not kv.is_contiguous():
+        return (
+            f"kv_cache is strided (block stride {kv.stride(0)} bytes, not KVBlockSize*index_dim = "
+            f"{block_size * kv.shape[-1]}), so this layer stays on the stock path. {BLOCK_OUTER_NOTE}"
+        )
+    reason = variant.violation(q, kv, w, lens, bt)
+    if reason is not None:
+        return reason
+    # Written columns equal read columns: FlyDSL writes [0, ctx_b - next_n + i] of row (b, i), ctx_b the last
+    # column of vLLM's bounds; the consumers read row r over [0, bounds.reshape(-1)[r]). They agree for
+    # next_n == 1 with one bound per row, and for a (B, next_n) native table from an audited caller,
+    # compress_ratio 1 and DCP 1. Anything else can read a column FlyDSL never writes (Gluon writes -inf).
+    next_n = q.shape[1]
+    if next_n == 1 and lens.dim() == 2 and lens.shape[1] != 1:
+        return f"next_n=1 with {lens.shape[1]} bounds per sequence"
+    if next_n > 1:
+        if lens.dim() != 2 or lens.shape[1] != next_n:
+            return f"next_n={next_n} without a (B, next_n) bounds table: consumers read columns FlyDSL leaves"
+        reason = multi_row_objection(caller)
+        if reason is not None:
+            return reason
+        if compress_ratio != 1:
+            return (
+                f"next_n={next_n} with compress_ratio={compress_ratio}: compressed bounds are not one apart"
+            )
+        if dcp != 1:
+            return f"next_n={next_n} with decode context parallel size {dcp}: localised bounds"
+    layout = router.hooks.preshuffle(block_size)
+    if layout != (block_size > 1):
+        return (
+            f"stock reads this KVBlockSize={block_size} cache with Preshuffle={layout}, "
+            f"FlyDSL would be launched with Preshuffle={block_size > 1}"
+        )
+    if variant.dispatch_objection is not None:
+        # Where aiter's dispatcher picks Gluon it would re-tune Gluon's knobs: vLLM's original runs instead.
+        return variant.dispatch_objection(args, block_size > 1)
+    pick = router.pick(q, kv)
+    if pick is None:
+        return None
+    table, shape = router.table, describe((q.shape[2], q.shape[3], block_size, next_n))
+    where = f"{table.name} on {table.gfx} with {cu_count(q.device)} CUs"
+    if pick[0] != "flydsl":
+        return f"{where} measured stock (Gluon) faster at some batch sizes of {shape}"
+    if pick[3] is not None:
+        return f"{where}: {pick[3]} for {shape}"
+    problem = variant.knob_problem(pick[2])
+    return None if problem is None else f"{where} measured FlyDSL with {problem}"
 
 
 @dataclass(slots=True)
@@ -219,51 +138,18 @@ class Route:
     """The memoised verdict for one call signature: a reason to stay stock, or how to launch."""
 
     reason: str | None
-    config: KernelConfig | None = None
+    shape: tuple | None = None  # (heads, head_dim, KVBlockSize, next_n): what FlyDSL compiles
     caller: str | None = None
     kwargs: dict[str, object] = field(default_factory=dict)
-    note: str = ""  # the launch's knob and the tuned row that chose it (the first-taken log line)
     facts: tuple = ()  # the call's facts (call_facts) the verdict was decided on
     bounds: str = ""  # the kind of bounds: "(B,)" or "(B, next_n)"
     ready: bool = False  # compiled outside capture and announced: the plain fast path applies
 
-    @property
-    def key(self) -> tuple:
-        """The configuration: the shape and every launch knob (the canary's key)."""
-        return (self.config, tuple(sorted(self.kwargs.items())))
-
-    @property
-    def test_key(self) -> tuple:
-        """What the self-test proves once: the shape and the kind of bounds, not batch or SplitKV."""
-        return (self.config, self.bounds)
-
-    def describe(self) -> str:
-        return describe_configuration(self.key)
-
-
-def describe_configuration(key: tuple) -> str:
-    """A :attr:`Route.key` (shape, knobs) or :attr:`Route.test_key` (shape, bounds) in words."""
-    config, detail = key
-    if isinstance(detail, str):
-        return f"{config.describe()} bounds {detail}"
-    named = " ".join(f"{k}={v}" for k, v in detail if k != "KVBlockSize")
-    return f"{config.describe()} {named}".rstrip()
-
-
-def canary_sequences(batch: int, next_n: int, max_model_len: int) -> list[int]:
-    """The sequences whose rows the canary compares, spread from the first to the last: as many as fit
-    in :data:`CANARY_BYTES` of float32 rows, at least one."""
-    fit = min(batch, max(1, CANARY_BYTES // (4 * max_model_len * next_n)))
-    if fit == 1:
-        return [0]
-    return sorted({round(i * (batch - 1) / (fit - 1)) for i in range(fit)})
-
 
 @functools.cache
 def _stack_versions() -> str:
-    """``flydsl X, aiter Y`` from the installed distributions ("unknown" if absent); read once, lazily."""
-    flydsl, aiter = installed_version(("flydsl",)), installed_version(AITER_DISTRIBUTIONS)
-    return f"flydsl {flydsl[0] if flydsl else 'unknown'}, aiter {aiter[0] if aiter else 'unknown'}"
+    """``flydsl X, aiter Y`` from the installed distributions; read once, lazily."""
+    return f"flydsl {installed_version(('flydsl',))}, aiter {installed_version(AITER_DISTRIBUTIONS)}"
 
 
 def _is_capturing() -> bool:
@@ -275,10 +161,9 @@ class FlyDSLRouter:
     """Callable with ``rocm_fp8_paged_mqa_logits``'s signature. The patch calls :meth:`call_from` with
     the calling module; a plain call is an unknown caller, which may take ``next_n == 1`` only.
 
-    ``self_test`` (on by default): each shape's first call outside capture first runs its self-test;
-    ``self_tests`` records each outcome by :attr:`Route.test_key` (``None``: passed). ``verifier``, when
-    given, is the canary: ``verifier(stock_rows, flydsl_rows, ends) -> None | what differed``, at each
-    configuration's first eligible call outside capture, one sequence at a time.
+    ``logger`` is vLLM's (its ``info_once``/``warning_once``/``error_once``). ``self_test`` (on by default):
+    each shape's first call outside capture first runs its self-test; ``self_tests`` records each outcome by
+    shape and kind of bounds (``None``: passed).
     """
 
     def __init__(
@@ -287,295 +172,213 @@ class FlyDSLRouter:
         variant: KernelVariant,
         hooks: StockHooks,
         logger: logging.Logger,
-        verifier: Callable[..., str | None] | None = None,
         is_capturing: Callable[[], bool] = _is_capturing,
         table: TunedTable | None = None,
         self_test: bool = True,
     ) -> None:
-        self.original = original
-        self.table = table
-        self.variant = variant
-        self.hooks = hooks
-        self.logger = logger
-        self.verifier = verifier
-        self.is_capturing = is_capturing
-        self.self_test = self_test
-        self.compiled: set[KernelConfig] = set()
-        self.failed: dict[KernelConfig, str] = {}  # shapes whose self-test, launch, canary or routing failed
+        self.original, self.variant, self.hooks, self.logger = original, variant, hooks, logger
+        self.is_capturing, self.table, self.self_test = is_capturing, table, self_test
+        self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
-        self.verified: set[tuple] = set()  # the configurations the canary checked
-        self.rejected: list[str] = []  # why the kernel rejected a call's arguments, per rejected route
-        self._routes: dict[tuple, Route] = {}
-        self.calls_taken = 0
-        self.calls_delegated = 0
+        self.compiled: set[tuple] = set()
+        self.routes: dict[tuple, Route] = {}
+        self.calls_taken = self.calls_delegated = 0
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         return self.call_from(None, *args, **kwargs)
 
     def call_from(
-        self,
-        caller: str | None,
-        q_fp8: torch.Tensor,
-        kv_cache_fp8: torch.Tensor,
-        weights: torch.Tensor,
-        context_lens: torch.Tensor,
-        block_tables: torch.Tensor,
-        schedule_metadata: torch.Tensor,
-        max_model_len: int,
-        *,
-        compress_ratio: int = 1,
-    ) -> torch.Tensor:
+        self, caller, q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+        max_model_len, *, compress_ratio=1,
+    ) -> torch.Tensor:  # fmt: skip
         """Route one call made from module ``caller`` (``None``: unknown)."""
-        key = route = None
+        key = None
         try:
-            key = (
-                q_fp8.shape,
-                kv_cache_fp8.shape,
-                kv_cache_fp8.is_contiguous(),
-                context_lens.shape,
-                max_model_len,
-                compress_ratio,
-                caller,
-            )
-            route = self._routes.get(key)
+            key = memo_key(q_fp8, kv_cache_fp8, context_lens, max_model_len, compress_ratio, caller)
+            route = self.routes.get(key)
             # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
             if route is None or route.reason is None:
-                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables)
-                args += (schedule_metadata, max_model_len)
+                args = (
+                    q_fp8,
+                    kv_cache_fp8,
+                    weights,
+                    context_lens,
+                    block_tables,
+                    schedule_metadata,
+                    max_model_len,
+                )
                 out = self._flydsl_or_none(key, route, args, compress_ratio, caller)
                 if out is not None:
                     return out
         except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
-            self._router_failed(e, key, route, q_fp8, kv_cache_fp8)
+            self._router_failed(e, key, q_fp8, kv_cache_fp8)
         self.calls_delegated += 1
         return self.original(
-            q_fp8,
-            kv_cache_fp8,
-            weights,
-            context_lens,
-            block_tables,
-            schedule_metadata,
-            max_model_len,
+            q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len,
             compress_ratio=compress_ratio,
-        )
+        )  # fmt: skip
+
+    def pick(self, q, kv) -> tuple | None:
+        """The table's ``(backend, bucket, wg_per_cu, conflict)`` for this call, or ``None``. A table with
+        no rows for this GPU's CU count is dropped first, with one line."""
+        table = self.table
+        if table is None:
+            return None
+        cus = cu_count(q.device)
+        if cus not in table.cu_counts():
+            level = logging.INFO if table.origin == "built-in" else logging.WARNING
+            counts = sorted(table.cu_counts())
+            line = (
+                f"{table.name} has {table.gfx} rows for CU count(s) {counts}, none for this GPU's {cus} CUs"
+            )
+            self.logger.log(level, "%s %s", TABLE_IGNORED_LINE, line)
+            self.table = None
+            return None
+        batch, next_n, heads, head_dim = q.shape
+        return table.choice(cus, batch, next_n, heads, head_dim, kv.shape[1])
 
     def _flydsl_or_none(
-        self, key: tuple, route: Route | None, args: tuple, compress_ratio: int, caller: str | None
+        self, key, route: Route | None, args: tuple, compress_ratio: int, caller
     ) -> torch.Tensor | None:
         """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's."""
+        q, kv, w, lens, bt = args[:5]
         if route is None:
             route = self._memoise(key, args, compress_ratio, caller)  # decided on this call's facts
-        elif route.reason is None:
-            facts = call_facts(args, self.hooks.dcp_world_size())
-            if facts != route.facts:
-                key = (key, facts)
-                route = self._routes.get(key) or self._memoise(key, args, compress_ratio, caller)
+        elif call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size()) != route.facts:
+            key = (key, call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size()))
+            route = self.routes.get(key) or self._memoise(key, args, compress_ratio, caller)
         if route.reason is not None:
             return None
         if route.ready:
             return self._launch(route, args)
         return self._first_calls(route, args, compress_ratio)
 
-    def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller: str | None) -> Route:
+    def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller) -> Route:
         """The rules' verdict on a new call signature, kept while the memo has room. A shape that failed
         stays stock without asking anything again."""
-        config = _config_of(args[0], args[1])
-        if config in self.failed:
-            route = Route(self.failed[config])
+        q, kv, w, lens, bt, _, max_model_len = args
+        shape = (q.shape[2], q.shape[3], kv.shape[1], q.shape[1]) if q.dim() == 4 and kv.dim() == 4 else None
+        dcp = self.hooks.dcp_world_size()
+        reason = self.failed.get(shape) or objection(self, args, compress_ratio, caller, dcp)
+        if reason is not None:
+            route = Route(reason)
+            self.logger.info_once("%s %s", STOCK_CALL_LINE, reason)
         else:
-            dcp = self.hooks.dcp_world_size()
-            route = self._new_route(Call.of(args, compress_ratio, caller, dcp))
-            route.facts = call_facts(args, dcp)
-        if route.reason is not None:
-            log_once(self.logger, logging.INFO, "%s %s", STOCK_CALL_LINE, route.reason)
-        if len(self._routes) < MAX_MEMOISED_VERDICTS:
-            self._routes[key] = route
+            pick = self.pick(q, kv)
+            cus = cu_count(q.device)
+            kwargs = self.variant.launch_kwargs(
+                q.shape[0], kv.shape[1], max_model_len, cus, pick[2] if pick else 0
+            )
+            bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
+            route = Route(None, shape, caller, kwargs, call_facts(q, kv, w, lens, bt, dcp), bounds)
+        if len(self.routes) < MAX_MEMOISED_VERDICTS:
+            self.routes[key] = route
         return route
 
-    def _new_route(self, call: Call) -> Route:
-        """The rules' verdict on ``call``, and its launch where they all pass (no memo, no log)."""
-        cus = cu_count(call.q_fp8.device)
-        self._drop_foreign_table(cus)
-        for rule in RULES:
-            reason = rule(call, self)
-            if reason is not None:
-                return Route(reason)
-        config = _config_of(call.q_fp8, call.kv_cache)
-        # The table rule has passed: a FlyDSL pick here is launched with its row's knob, as measured.
-        pick = pick_for(call, self, cus)
-        wg_per_cu = pick.wg_per_cu if pick is not None else 0
-        kwargs = self.variant.launch_kwargs(
-            call.q_fp8.shape[0], config.block_size, call.max_model_len, cus, wg_per_cu
-        )
-        note = self.variant.describe_launch(wg_per_cu)
-        if pick is not None:
-            note = f"{where(self.table, pick, cus)} measured FlyDSL faster; {note}"
-        bounds = "(B, next_n)" if call.context_lens.dim() == 2 else "(B,)"
-        return Route(None, config, call.caller, kwargs, f"; {note}", bounds=bounds)
-
-    def _drop_foreign_table(self, cus: int) -> None:
-        """A table with no rows for this GPU's CU count is dropped, with one WARNING (INFO for the
-        built-in table, which the user did not ask for: it applies where it was measured only)."""
-        table = self.table
-        if table is None or cus in table.cu_counts():
-            return
-        level = logging.INFO if table.origin == "built-in" else logging.WARNING
-        counts = sorted(table.cu_counts())
-        line = f"{table.name} has {table.gfx} rows for CU count(s) {counts}, none for this GPU's {cus} CUs"
-        self.logger.log(level, "%s %s", TABLE_IGNORED_LINE, line)
-        self.table = None
-
     def _first_calls(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
-        """A route's first calls (the capture guard, the self-test, the canary): FlyDSL's answer, or
-        ``None`` for stock's."""
-        config = route.config
-        capturing = self.is_capturing()
-        untested = self.self_test and route.test_key not in self.self_tests
-        if capturing and (config not in self.compiled or untested):
+        """A route's first calls (the capture guard, the self-test): FlyDSL's answer, or ``None``."""
+        untested = self.self_test and (route.shape, route.bounds) not in self.self_tests
+        if self.is_capturing() and (route.shape not in self.compiled or untested):
             # FlyDSL JIT-compiles a shape on its first call, and the self-test allocates and syncs:
             # neither may happen inside graph capture, so this graph keeps stock.
-            what = (
-                f"compiled and self-tested for {describe_configuration(route.test_key)}"
-                if untested
-                else f"compiled for {config.describe()}"
-            )
+            what = "compiled and self-tested" if untested else "compiled"
             line = (
-                f"FlyDSL not yet {what} and the stream is capturing, so this graph keeps the stock path. "
-                "vLLM runs eager warm-up steps before it captures, so this is unexpected: please report it "
-                "with your vLLM version and compilation config"
+                f"FlyDSL not yet {what} for {describe(route.shape)} bounds {route.bounds} and the stream is "
+                "capturing, so this graph keeps the stock path. vLLM runs eager warm-up steps before it "
+                "captures, so this is unexpected: report it with your vLLM version and compilation config"
             )
-            log_once(self.logger, logging.WARNING, "%s %s", STOCK_CALL_LINE, line)
+            self.logger.warning_once("%s %s", STOCK_CALL_LINE, line)
             return None
         if untested:
             problem = self._self_test(route, args, compress_ratio)
-            self.self_tests[route.test_key] = problem
+            self.self_tests[(route.shape, route.bounds)] = problem
             if problem is not None:
-                self._shape_failed(route, f"self-test failed: {problem}")
+                self._shape_failed(route.shape, f"self-test failed: {problem}")
                 return None
-        if self.verifier is not None and not capturing and route.key not in self.verified:
-            self.verified.add(route.key)
-            return self._verified_call(route, args, compress_ratio)
         return self._launch(route, args)
 
     def _self_test(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
         """FlyDSL itself on a small synthetic problem of this shape, against stock: ``None`` if they agree.
-        It launches SplitKV 1 and the largest SplitKV any live launch of this shape reaches, clamped to
-        the problem's pages (:meth:`~vllm_flydsl_indexer.kernels.KernelVariant.self_test_launches`)."""
-        q_fp8, kv_cache, _, context_lens, _, _, max_model_len = args
-        config = route.config
-        per_row = context_lens.dim() == 2
-        problem = selftest.synthetic(*config, kv_cache.shape[3], per_row_bounds=per_row, device=q_fp8.device)
-        pages = selftest.width(config.block_size, config.next_n)[1]
-        most = max(self.variant.split_kv_workgroups_per_cu or 0, *TUNER_WG_PER_CU)
-        top = explicit_split_kv(cu_count(q_fp8.device), 1, max_model_len, config.block_size, most)
+        It launches SplitKV 1 and the largest SplitKV any live launch of this shape reaches, clamped to the
+        problem's pages, where SplitKV is passed; else the live launch's knobs (under aiter's dispatcher,
+        its FlyDSL row for this live call, forced: its table may pick Gluon for the small problem)."""
+        q, kv, _, lens, _, _, max_model_len = args
+        shape, kwargs = route.shape, route.kwargs
+        problem = selftest.synthetic(*shape, kv.shape[3], per_row_bounds=lens.dim() == 2, device=q.device)
+        if "SplitKV" in kwargs:
+            most = max(self.variant.split_kv_workgroups_per_cu or 0, *TUNER_WG_PER_CU)
+            top = explicit_split_kv(cu_count(q.device), 1, max_model_len, shape[2], most)
+            pages = selftest.width(shape[2], shape[3])[1]
+            launches = {f"at SplitKV {s}": {**kwargs, "SplitKV": s} for s in sorted({1, min(pages, top)})}
+        elif self.variant.flydsl is not None:
+            launches = {"forced through aiter's dispatcher": {**kwargs, "live": args}}
+        else:
+            launches = {"at its default launch": kwargs}
         fn = self.variant.flydsl or self.variant.fn
-        launches = {
-            name: functools.partial(self._flydsl, fn, knobs)
-            for name, knobs in self.variant.self_test_launches(route.kwargs, min(pages, top)).items()
-        }
         try:
             stock = functools.partial(self.original, compress_ratio=compress_ratio)
-            live = (q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
-            return selftest.run(problem, lambda a: stock(*a), self.hooks.output_buffer, launches, live)
+            launch = {name: functools.partial(self._flydsl, fn, knobs) for name, knobs in launches.items()}
+            live = (q.shape[0] * q.shape[1], max_model_len)
+            return selftest.run(problem, lambda a: stock(*a), self.hooks.output_buffer, launch, live)
         except Exception as e:  # noqa: BLE001 - a self-test that raises is a failed one
             return f"raised {type(e).__name__}: {e}"
 
     def _flydsl(self, fn: Callable, kwargs: dict, args: tuple, out: torch.Tensor) -> None:
         """A FlyDSL launch, live or self-test, into ``out``."""
-        q_fp8, kv_cache, weights, context_lens, block_tables, _, max_model_len = args
-        lens = self.hooks.per_sequence_lens(context_lens)
-        fn(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
+        q, kv, w, lens, bt, _, max_model_len = args
+        fn(q, kv, w, out, self.hooks.per_sequence_lens(lens), bt, max_model_len, **kwargs)
 
     def _launch(self, route: Route, args: tuple) -> torch.Tensor | None:
         """FlyDSL into the logits buffer taken exactly as stock takes it; ``None`` for stock's."""
-        q_fp8, _, _, _, _, _, max_model_len = args
-        out = self.hooks.output_buffer(q_fp8.shape[0] * q_fp8.shape[1], max_model_len)
+        q = args[0]
+        out = self.hooks.output_buffer(q.shape[0] * q.shape[1], args[6])
         try:
             self._flydsl(self.variant.fn, route.kwargs, args, out)
         except ARGUMENT_ERRORS as e:
             # The wrapper's argument check refused this call: only its signature's route stays stock.
-            route.reason = f"FlyDSL rejected this call's arguments earlier ({type(e).__name__}: {e})"
-            route.ready = False
-            self.rejected.append(route.reason)
-            line = (
-                f"{self.variant.location} ({route.describe()}) rejected a call's arguments: "
-                f"{type(e).__name__}: {e} ({_stack_versions()}). Calls of this signature use the stock path; "
-                "the rest of this configuration is unaffected."
+            route.reason, route.ready = (
+                f"FlyDSL rejected this call's arguments ({type(e).__name__}: {e})",
+                False,
             )
-            log_once(self.logger, logging.ERROR, "%s %s", HEAD, line)
+            line = (
+                f"{self.variant.location} ({describe(route.shape)}) rejected a call's arguments: "
+                f"{type(e).__name__}: {e} ({_stack_versions()}). Calls of this signature use the stock path "
+                "until vLLM restarts; the rest of this shape is unaffected."
+            )
+            self.logger.error_once("%s %s", HEAD, line)
             return None
         except Exception as e:  # noqa: BLE001 - a kernel that fails sends its shape to stock
-            self._shape_failed(route, f"raised {type(e).__name__}: {e}")
+            self._shape_failed(route.shape, f"raised {type(e).__name__}: {e}")
             return None
         if not route.ready and not self.is_capturing():
-            # Compiled outside capture: announced once, and fast from now on.
-            self.compiled.add(route.config)
+            # Compiled outside capture: announced once per shape, and fast from now on.
+            self.compiled.add(route.shape)
             route.ready = True
-            tested = "; self-test passed" if self.self_tests.get(route.test_key, "") is None else ""
-            where = f"caller {route.caller or 'unknown'}; {self.variant.location}{route.note}{tested}"
-            log_once(
-                self.logger, logging.INFO, "%s FlyDSL taken for %s (%s)", HEAD, route.config.describe(), where
+            tested = (
+                "; self-test passed" if self.self_tests.get((route.shape, route.bounds), "") is None else ""
             )
+            table = f"; per shape: {self.table.name}" if self.table is not None else ""
+            where = f"caller {route.caller or 'unknown'}; {self.variant.location}{table}{tested}"
+            self.logger.info_once("%s FlyDSL taken for %s (%s)", HEAD, describe(route.shape), where)
         self.calls_taken += 1
         return out
 
-    def _router_failed(
-        self, error: Exception, key: tuple | None, route: Route | None, q_fp8: object, kv_cache: object
-    ) -> None:
+    def _router_failed(self, error: Exception, key: tuple | None, q, kv) -> None:
         """The router's work on a call raised: this call gets stock's answer, its shape stays stock."""
-        try:
-            config = route.config if route is not None and route.config else _config_of(q_fp8, kv_cache)
-        except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
-            config = None
         problem = f"raised {type(error).__name__} while routing this call: {error}"
-        if config is not None:
-            self._shape_failed(route or Route(None, config), problem)
+        try:
+            shape = (q.shape[2], q.shape[3], kv.shape[1], q.shape[1])
+        except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
+            if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
+                self.routes[key] = Route(f"the router {problem}")
+            self.logger.error_once("%s the router %s. It uses the stock path.", HEAD, problem)
             return
-        if key is not None and len(self._routes) < MAX_MEMOISED_VERDICTS:
-            self._routes[key] = Route(f"the router {problem}")
-        log_once(self.logger, logging.ERROR, "%s the router %s. It uses the stock path.", HEAD, problem)
+        self._shape_failed(shape, problem)
 
-    def _shape_failed(self, route: Route, problem: str) -> None:
-        """This shape stays stock for good (every memoised route of it too), with one ERROR."""
-        config = route.config
-        described = route.describe() if route.kwargs else config.describe()
-        self.failed[config] = f"FlyDSL for {described} earlier {problem}"
-        self.compiled.discard(config)
-        self._routes.clear()  # every memoised route of this shape now says stock
-        where = f"{self.variant.location} ({described}) {problem} ({_stack_versions()})"
-        self.logger.error(
-            "%s %s. This call and every later call of this shape use the stock path.", HEAD, where
-        )
-
-    def _verified_call(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
-        """The canary: both arms on this call's live inputs, compared on a sample of rows.
-
-        Stock runs first; only the rows of :func:`canary_sequences` are copied (a few MB at most).
-        FlyDSL then runs into the same buffer filled with NaN, so a column it fails to write shows as
-        NaN inside a read window. On disagreement this shape stays stock and stock runs again.
-        """
-        q_fp8, _, _, context_lens, _, _, max_model_len = args
-        batch, next_n = q_fp8.shape[:2]
-        sequences = canary_sequences(batch, next_n, max_model_len)
-        stock_out = self.original(*args, compress_ratio=compress_ratio)
-        stock = torch.cat([stock_out[b * next_n : (b + 1) * next_n] for b in sequences])
-        self.hooks.output_buffer(batch * next_n, max_model_len).fill_(float("nan"))
-        out = self._launch(route, args)
-        if out is None:
-            return None
-        ends = selftest.read_window_ends(context_lens, batch * next_n, next_n)
-        problem = None
-        for i, b in enumerate(sequences):
-            rows = slice(b * next_n, (b + 1) * next_n)
-            problem = self.verifier(stock[i * next_n : (i + 1) * next_n], out[rows], ends[rows])
-            if problem is not None:
-                break
-        if problem is None:
-            line = (
-                f"verify-on-enable canary passed for {route.describe()} (arms agree inside the read windows)"
-            )
-            self.logger.info("%s %s", HEAD, line)
-            return out
-        self.calls_taken -= 1
-        self._shape_failed(route, f"and stock {DISAGREE_LINE} in the canary: {problem}")
-        return None
+    def _shape_failed(self, shape: tuple, problem: str) -> None:
+        """This shape stays stock until restart (every memoised route of it too), with one ERROR."""
+        self.failed[shape] = f"FlyDSL for {describe(shape)} earlier {problem}"
+        self.compiled.discard(shape)
+        self.routes.clear()  # every memoised route of this shape now says stock
+        where = f"{self.variant.location} ({describe(shape)}) {problem} ({_stack_versions()})"
+        self.logger.error("%s %s. %s.", HEAD, where, STAYS_STOCK)

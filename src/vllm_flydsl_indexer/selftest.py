@@ -10,8 +10,8 @@ a live launch of the shape reaches), and they run FlyDSL itself, never a kernel 
 several blocks), finite fp8 values and positive scales everywhere the kernels read, well under
 :data:`MAX_BYTES` whatever the served ``max_model_len``.
 
-**The agreement rule** (:func:`compare_in_windows`), which the self-test, the canary, ``check`` and
-``bench`` share, inside the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) /
+**The agreement rule** (:func:`compare_in_windows`), which the self-test, ``check``, ``bench`` and
+``tune`` share, inside the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) /
 sum(x^2 + y^2) < 1e-3`` over the finite entries (exact equality between reference contracts); identical
 top-k index sets. Imports no vLLM.
 """
@@ -19,17 +19,10 @@ top-k index sets. Imports no vLLM.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from vllm_flydsl_indexer.target import INDEX_TOPK, SCALE_BYTES
-
-__all__ = [
-    "Agreement", "CHUNK_ELEMENTS", "DEFAULT_TOPK", "MAX_BYTES", "REAL_KERNEL_TOLERANCE", "SEED",
-    "compare_in_windows", "make_verifier", "read_window_ends", "run", "synthetic", "synthetic_lengths",
-    "width",
-]  # fmt: skip
 
 REAL_KERNEL_TOLERANCE = 1e-3
 DEFAULT_TOPK = INDEX_TOPK
@@ -44,29 +37,17 @@ def read_window_ends(context_lens: torch.Tensor, rows: int, next_n: int) -> torc
     return flat.clamp_min(0)
 
 
-@dataclass
-class Agreement:
-    rows: int
-    read_columns: int
-    max_rel_diff: float
-    mask_equal: bool
-    topk_equal: bool
-    nan_free: bool
-
-    def within(self, tolerance: float) -> bool:
-        """The relative difference is inside the rule (exactly 0 when ``tolerance`` is 0)."""
-        return self.max_rel_diff == 0.0 if tolerance == 0 else self.max_rel_diff < tolerance
-
-    def ok(self, tolerance: float) -> bool:
-        return self.mask_equal and self.topk_equal and self.nan_free and self.within(tolerance)
-
-    def describe(self) -> str:
-        return (
-            f"max rel diff {self.max_rel_diff:.3e}, -inf mask "
-            f"{'identical' if self.mask_equal else 'DIFFERENT'}, top-k "
-            f"{'identical' if self.topk_equal else 'DIFFERENT'}"
-            f"{'' if self.nan_free else ', NaN or unwritten values read'}"
-        )
+def disagreement(found: dict, tolerance: float) -> str | None:
+    """What :func:`compare_in_windows` found outside the rule, or ``None`` (``tolerance`` 0: exact)."""
+    close = found["max_rel_diff"] == 0.0 if tolerance == 0 else found["max_rel_diff"] < tolerance
+    if close and found["mask_equal"] and found["topk_equal"] and found["nan_free"]:
+        return None
+    return (
+        f"max rel diff {found['max_rel_diff']:.3e}, -inf mask "
+        f"{'identical' if found['mask_equal'] else 'DIFFERENT'}, top-k "
+        f"{'identical' if found['topk_equal'] else 'DIFFERENT'}"
+        f"{'' if found['nan_free'] else ', NaN or unwritten values read'}"
+    )
 
 
 # Logits entries the comparison handles at once (whole rows, at least one): bounds its temporaries.
@@ -75,7 +56,7 @@ CHUNK_ELEMENTS = 1 << 16
 
 def compare_in_windows(
     expected: torch.Tensor, actual: torch.Tensor, ends: torch.Tensor, topk: int = DEFAULT_TOPK
-) -> Agreement:
+) -> dict:
     """Compare two logits buffers over ``[0, ends[r])`` of every row ``r``, a chunk of rows at a time
     (:data:`CHUNK_ELEMENTS`: bounded memory), one host sync at the end. Rows whose window holds only
     ``-inf`` or nothing count as equal."""
@@ -118,24 +99,14 @@ def compare_in_windows(
         eset = torch.where(taken & torch.isfinite(ev), ei, -1).sort(dim=1).values
         aset = torch.where(taken & torch.isfinite(av), ai, -1).sort(dim=1).values
         topk_differs |= (eset != aset).any()
-    return Agreement(
-        rows=rows,
-        read_columns=int(ends.sum()),
-        max_rel_diff=float(max_rel),
-        mask_equal=not bool(mask_differs),
-        topk_equal=not bool(topk_differs),
-        nan_free=not bool(found_nan),
-    )
-
-
-def make_verifier(tolerance: float = REAL_KERNEL_TOLERANCE, topk: int = DEFAULT_TOPK):
-    """The canary's judge: ``verify(stock_rows, flydsl_rows, ends) -> None | what differed``."""
-
-    def verify(stock: torch.Tensor, flydsl: torch.Tensor, ends: torch.Tensor) -> str | None:
-        result = compare_in_windows(stock, flydsl, ends, topk)
-        return None if result.ok(tolerance) else result.describe()
-
-    return verify
+    return {
+        "rows": rows,
+        "read_columns": int(ends.sum()),
+        "max_rel_diff": float(max_rel),
+        "mask_equal": not bool(mask_differs),
+        "topk_equal": not bool(topk_differs),
+        "nan_free": not bool(found_nan),
+    }
 
 
 # What one self-test may allocate, inputs and both outputs included (tests/test_selftest.py holds it).
@@ -228,9 +199,10 @@ def run(
         actual.fill_(float("nan"))
         launch(args, actual)
         result = compare_in_windows(expected, actual, ends)
-        if not result.ok(REAL_KERNEL_TOLERANCE):
-            return f"FlyDSL {name}: {result.describe()}"
+        problem = disagreement(result, REAL_KERNEL_TOLERANCE)
+        if problem is not None:
+            return f"FlyDSL {name}: {problem}"
         written = int((~torch.isnan(actual)).sum())
-        if written != result.read_columns:
-            return f"FlyDSL {name} wrote {written} columns, the consumers read {result.read_columns}"
+        if written != result["read_columns"]:
+            return f"FlyDSL {name} wrote {written} columns, the consumers read {result['read_columns']}"
     return None
