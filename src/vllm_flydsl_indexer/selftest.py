@@ -42,6 +42,10 @@ def disagreement(found: dict, tolerance: float) -> str | None:
     close = found["max_rel_diff"] == 0.0 if tolerance == 0 else found["max_rel_diff"] < tolerance
     if close and found["mask_equal"] and found["topk_equal"] and found["nan_free"]:
         return None
+    return describe_agreement(found)
+
+
+def describe_agreement(found: dict) -> str:
     return (
         f"max rel diff {found['max_rel_diff']:.3e}, -inf mask "
         f"{'identical' if found['mask_equal'] else 'DIFFERENT'}, top-k "

@@ -153,13 +153,15 @@ def _resolve(owner: object, name: str, flag: bool = False):
     return value
 
 
-def vllm_stock_hooks(target: ModuleType, form: str) -> StockHooks:
+def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) -> StockHooks:
     """Hooks that answer as ``target.rocm_fp8_paged_mqa_logits`` (whose ``Preshuffle`` is ``form``, an
-    :data:`AUDITED` form), every vLLM name resolved now. Raises ``LookupError`` naming what is missing."""
+    :data:`AUDITED` form), every vLLM name resolved now (``aiter_ops``: vLLM's ``rocm_aiter_ops``, or a
+    stand-in). Raises ``LookupError`` naming what is missing."""
     import torch
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.distributed import parallel_state
 
+    rocm_aiter_ops = aiter_ops or rocm_aiter_ops
     on_gfx950 = _resolve(target, "_ON_GFX950", flag=True)
     on_gfx9 = on_gfx950 or _resolve(target, "_ON_GFX942", flag=True)
     c4a = _resolve(target, "_indexer_k_is_c4a_block_flat")

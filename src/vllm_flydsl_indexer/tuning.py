@@ -50,7 +50,7 @@ BUILTIN_VARIANT = "gfx950"
 BUILTIN_LABEL = "built-in table (aiter 39029932, AMD's MI355X measurements)"
 DOCTOR_HINT = "vllm-flydsl-indexer doctor names each row's reason"
 # A whole number as aiter's reader takes it: ASCII digits, ``3`` or ``3.0``.
-_INT = re.compile(r"[0-9]+(?:\.0*)?")
+WHOLE = re.compile(r"[0-9]+(?:\.0*)?")
 
 
 def arch_of(gcn_arch: str) -> str:
@@ -65,7 +65,7 @@ def usable_row(row: dict) -> tuple[str, tuple, int, str, int] | None:
         cells = {c: row[c].strip() for c in (*KEY_COLUMNS, "backend", "wg_per_cu")}
     except (KeyError, AttributeError):
         return None
-    if not all(_INT.fullmatch(cells[c]) for c in (*SIZE_COLUMNS, "wg_per_cu")):
+    if not all(WHOLE.fullmatch(cells[c]) for c in (*SIZE_COLUMNS, "wg_per_cu")):
         return None
     cus, batch, next_n, heads, head_dim, kvb = (int(float(cells[c])) for c in SIZE_COLUMNS)
     backend, preshuffle = cells["backend"].lower(), parse_bool(cells["preshuffle"])
@@ -112,19 +112,17 @@ class TunedTable:
         return self._picks[args]
 
 
-def read(path: str, gfx: str, name: str | None = None, origin: str = "env") -> TunedTable | str:
-    """The table in file ``path`` for ``gfx``, or why it has none usable. Never raises."""
-    table = TunedTable(name or path, gfx, origin)
+def parse(text: str, gfx: str, name: str, origin: str = "env") -> TunedTable | str:
+    """The table in CSV ``text`` for ``gfx``, or why it has none usable. Never raises."""
+    table, total = TunedTable(name, gfx, origin), 0
     try:
-        text = read_capped(path)
         lines = (
             line if not line.lstrip().startswith(COMMENT) else "\n" for line in io.StringIO(text, newline="")
         )
         reader = csv.DictReader(lines)
         missing = [c for c in (*KEY_COLUMNS, "backend", "wg_per_cu") if c not in (reader.fieldnames or ())]
         if missing:
-            return f"{path}: missing column(s) {', '.join(missing)}"
-        total = 0
+            return f"{name}: missing column(s) {', '.join(missing)}"
         for row in reader:
             total += 1
             found = usable_row(row)
@@ -134,10 +132,19 @@ def read(path: str, gfx: str, name: str | None = None, origin: str = "env") -> T
                 _, shape, batch, backend, wg = found
                 table.shapes.setdefault(shape, {}).setdefault(batch, []).append((backend, wg))
     except Exception as e:  # noqa: BLE001 - a table file must never crash start-up
-        return f"{path}: {type(e).__name__}: {e}"
+        return f"{name}: {type(e).__name__}: {e}"
     if not table.shapes:
-        return f"{path}: {total} rows, {table.skipped} unusable, none usable for {gfx}"
+        return f"{name}: {total} rows, {table.skipped} unusable, none usable for {gfx}"
     return table
+
+
+def read(path: str, gfx: str, name: str | None = None, origin: str = "env") -> TunedTable | str:
+    """The table in file ``path`` (one capped read) for ``gfx``, or why it has none usable. Never raises."""
+    try:
+        text = read_capped(path)
+    except Exception as e:  # noqa: BLE001 - not a regular file, too large, not UTF-8...
+        return f"{path}: {type(e).__name__}: {e}"
+    return parse(text, gfx, name or path, origin)
 
 
 def _aiter_table() -> str | None:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer.envs import get_logger
-from vllm_flydsl_indexer.kernels import KernelVariant, Limits, find_kernel
+from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.target import DEFINING_MODULE, StockHooks
+from vllm_flydsl_indexer.target import TARGET_MODULE, StockHooks
+from vllm_flydsl_indexer.tools.harness import plugin_logger
 from vllm_flydsl_indexer.tools.reference import (
     GENERAL,
     VARIANT_CONTRACTS,
@@ -91,23 +91,23 @@ class Arms:
         self.contract = contract
 
 
-def contract_limits(contract: VariantContract) -> Limits:
-    """The :class:`Limits` of a reference contract (the general kernel's are the general rule)."""
+def contract_limits(contract: VariantContract) -> dict[str, object]:
+    """The :class:`KernelVariant` contract fields of a reference contract (the general kernel's: none,
+    the general rule)."""
     if contract.heads is None:
-        return Limits()
+        return {}
 
     def one(value: int | None) -> frozenset[int] | None:
         return None if value is None else frozenset({value})
 
-    return Limits(
-        heads=contract.heads,
-        head_dims=one(contract.head_dim),
-        block_sizes=one(contract.block_size),
-        index_dim=contract.index_dim,
-        max_next_n=contract.max_next_n,
-        preshuffle_required=True,
-        q_contiguous=True,
-    )
+    return {
+        "heads": contract.heads,
+        "head_dims": one(contract.head_dim),
+        "block_sizes": one(contract.block_size),
+        "index_dim": contract.index_dim,
+        "max_next_n": contract.max_next_n,
+        "gfx950": True,
+    }
 
 
 def reference_variant(contract: VariantContract) -> KernelVariant:
@@ -117,9 +117,9 @@ def reference_variant(contract: VariantContract) -> KernelVariant:
         contract.name,
         variant_reference(contract),
         f"reference {contract.name} FlyDSL contract",
-        contract_limits(contract),
         f"reference contract of the {contract.name} FlyDSL kernel",
-        contract.split_kv_wg_per_cu,
+        split_kv_workgroups_per_cu=contract.split_kv_wg_per_cu,
+        **contract_limits(contract),
     )
 
 
@@ -168,17 +168,17 @@ def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
     if gluon is None:
         reference.why = f"aiter's Gluon kernel not found ({where})"
         return reference
-    lookup = find_kernel()
-    if lookup.variant is None:
-        reference.why = f"aiter's FlyDSL kernel not found ({lookup.reason})"
+    variant, reason = find_kernel()
+    if variant is None:
+        reference.why = f"aiter's FlyDSL kernel not found ({reason})"
         return reference
     return Arms(
         True,
-        f"real kernels: aiter Gluon vs aiter FlyDSL ({lookup.variant.name})",
-        f"{where}, {lookup.variant.location}",
+        f"real kernels: aiter Gluon vs aiter FlyDSL ({variant.name})",
+        f"{where}, {variant.location}",
         gluon,
-        lookup.variant.fn,
-        lookup.variant,
+        variant.fn,
+        variant,
     )
 
 
@@ -318,10 +318,10 @@ def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None
         stock_call(arms.gluon, workspace),
         arms.flydsl_variant(),
         mirror_hooks(workspace),
-        logger or get_logger(),
+        logger or plugin_logger(),
     )
 
 
 def from_defining_module(router: FlyDSLRouter) -> Callable[..., torch.Tensor]:
     """The router as the defining module's own indexer calls it (the mirror's call site)."""
-    return functools.partial(router.call_from, DEFINING_MODULE)
+    return functools.partial(router.call_from, TARGET_MODULE)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_flydsl_indexer.target import DEFINING_MODULE, MULTI_ROW, TARGET_POSITIONAL
+from vllm_flydsl_indexer.target import MULTI_ROW, TARGET_MODULE, TARGET_POSITIONAL
 
 __all__ = ["CALL_SITES", "CallSite"]
 
@@ -40,7 +40,7 @@ CALL_SITES: dict[str, CallSite] = {
     site.module: site
     for site in (
         CallSite(
-            module=DEFINING_MODULE,
+            module=TARGET_MODULE,
             function="rocm_aiter_sparse_attn_indexer",
             passes=_ALL_ARGS | {"compress_ratio"},
             bounds="indexer builder's decode.seq_lens: (B, 1), or native-MTP (B, next_n) one apart, "

@@ -6,7 +6,7 @@ takes. These cases each build a fresh router with
 :class:`~vllm_flydsl_indexer.router.FlyDSLRouter`'s public constructor, as the
 patch builds it, and make a few calls in order, because what they test is what
 earlier calls leave behind. Every case runs once per FlyDSL API the plugin
-knows (general, gfx950, gfx950-early; the found one first), on a reference
+knows (general, gfx950; the found one first), on a reference
 contract shaped like that API (:func:`~vllm_flydsl_indexer.tools.arms.reference_variant`):
 its limits, its SplitKV rule, and a pure-torch kernel that raises as its
 wrapper does for what it refuses.
@@ -22,8 +22,6 @@ wrapper does for what it refuses.
   gfx, and FlyDSL rows whose ``wg_per_cu`` sets SplitKV.
 * **built-in table**: the built-in table's rows (AMD's MI355X buckets and knobs,
   next_n up to 8, wg_per_cu 2 and 3) re-keyed to the case's GPU and shape.
-* **verify-on-enable canary**: arms agree; a FlyDSL arm that negates every
-  value; one that leaves one read column unwritten.
 * **FlyDSL kernel raises**: from its second paged launch on.
 
 A step's written arm is for an API that takes the call; where the API's
@@ -32,7 +30,7 @@ expects stock and no launch. Every launch's knobs (Preshuffle, KVBlockSize,
 SplitKV) are compared with what that API must receive, computed here from
 aiter's rule. A case passes when every call took the expected arm, launched
 FlyDSL the expected number of times with the expected knobs, returned stock's
-answer exactly in the read windows, and the canary ran as often as written.
+answer exactly in the read windows.
 
 Last, a self-test of the agreement rule: arm pairs that differ only by a NaN,
 only by one ``-inf`` column, or only by one value must each be reported as
@@ -53,13 +51,8 @@ import torch
 from vllm_flydsl_indexer import selftest, tuning
 from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, cu_count
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.selftest import (
-    REAL_KERNEL_TOLERANCE,
-    compare_in_windows,
-    make_verifier,
-    read_window_ends,
-)
-from vllm_flydsl_indexer.target import Call
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, read_window_ends
+from vllm_flydsl_indexer.tools import tuned
 from vllm_flydsl_indexer.tools.arms import (
     Workspace,
     mirror_hooks,
@@ -69,6 +62,7 @@ from vllm_flydsl_indexer.tools.arms import (
     stock_call,
 )
 from vllm_flydsl_indexer.tools.cases import INDEXER, Case, build_problem
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.tools.reference import (
     PagedProblem,
     VariantContract,
@@ -187,14 +181,13 @@ class Behaviour:
     # Of the FlyDSL arm: "wrong", "unwritten", "raises", or "reversed" (a sequence's rows in reverse
     # order when next_n > 1).
     fault: str | None = None
-    canary: bool = False  # it runs once per configuration that reaches FlyDSL
     self_test: bool = False  # the router's self-test (off: the other cases test the rules alone)
     table: str = ""  # "check": check's in-memory table; "built-in": the built-in table's rows
     plain_stock: bool = False  # stock's hooks read every cache without Preshuffle
     shapes_only: bool = False  # the router's verdict on meta tensors; nothing launched
 
 
-# One row per case: cases of one kind share their shape (duplicates pairs the canary's), data, not code.
+# One row per case: cases of one kind share their shape, data, not code.
 BEHAVIOURS = (
     Behaviour(
         "API limits",
@@ -262,25 +255,20 @@ BEHAVIOURS = (
         table="built-in",
     ),
     Behaviour(
-        "verify-on-enable canary, arms agree",
-        (Step(2, 64, FLYDSL, 1), Step(2, 64, FLYDSL, 1), Step(2, 1, FLYDSL, 1)),
-        canary=True,
-    ),
-    Behaviour(
-        "verify-on-enable canary, FlyDSL wrong",
-        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
-        fault="wrong",
-        canary=True,
-    ),
-    Behaviour(
-        "verify-on-enable canary, FlyDSL leaves a column unwritten",
-        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
-        fault="unwritten",
-        canary=True,
-    ),
-    Behaviour(
         "self-test, arms agree",
         (Step(2, 64, FLYDSL, 2), Step(2, 64, FLYDSL, 1), Step(2, 1, FLYDSL, 2)),
+        self_test=True,
+    ),
+    Behaviour(
+        "self-test, FlyDSL wrong",
+        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
+        fault="wrong",
+        self_test=True,
+    ),
+    Behaviour(
+        "self-test, FlyDSL leaves a column unwritten",
+        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
+        fault="unwritten",
         self_test=True,
     ),
     Behaviour(
@@ -315,7 +303,6 @@ class BehaviourResult:
     expected: list[str]
     taken: list[str]
     launches: list[int]
-    canary_runs: int
     problems: list[str]
 
     @property
@@ -345,7 +332,7 @@ class PlantedKernel:
         if self.fault == "wrong":
             out.neg_()  # wrong under any tolerance: values, -inf masks and top-k sets all differ
         elif self.fault == "unwritten":
-            out[0, 0] = before  # one read column left as it was: the canary's NaN poison shows it
+            out[0, 0] = before  # one read column left as it was: the self-test's NaN poison shows it
         elif self.fault == "reversed" and q_fp8.shape[1] > 1:
             rows = out.view(q_fp8.shape[0], q_fp8.shape[1], -1)
             rows.copy_(rows.flip(1))
@@ -379,20 +366,23 @@ def tuned_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
             2.0 if gluon else 1.0,
         )
         writer.writerow(dict(zip(AITER_COLUMNS, values, strict=True)))
-    return tuning.parse(io.StringIO(text.getvalue()), TABLE_SOURCE, TABLE_GFX)
+    return tuned.table_of(
+        tuned.read_rows(io.StringIO(text.getvalue()), TABLE_SOURCE), TABLE_SOURCE, TABLE_GFX
+    )
 
 
 def builtin_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
     """The built-in table's rows, every cell as AMD measured it but the GPU (``gfx``, ``cu_num``) and
     the shape (``heads``, ``head_dim``): this case's, so its buckets and knobs decide here."""
-    with open(tuning.BUILTIN.path(), encoding="utf-8", newline="") as f:
-        rows = tuning.read_rows(f, tuning.BUILTIN.label)
+    with open(tuning.BUILTIN_PATH, encoding="utf-8", newline="") as f:
+        rows = tuned.read_rows(f, tuning.BUILTIN_LABEL)
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=AITER_COLUMNS)
     writer.writeheader()
     for row in rows:
         writer.writerow({**row.text, "gfx": TABLE_GFX, "cu_num": cus, "heads": heads, "head_dim": head_dim})
-    return tuning.parse(io.StringIO(text.getvalue()), tuning.BUILTIN.label, TABLE_GFX)
+    label = tuning.BUILTIN_LABEL
+    return tuned.table_of(tuned.read_rows(io.StringIO(text.getvalue()), label), label, TABLE_GFX, "built-in")
 
 
 class Problems:
@@ -503,15 +493,12 @@ def run_behaviour(
     logger: logging.Logger,
 ) -> BehaviourResult:
     """``behaviour`` on a fresh router whose FlyDSL API is ``contract``'s reference."""
-    result = BehaviourResult(behaviour, contract.name, [], [], [], 0, [])
+    result = BehaviourResult(behaviour, contract.name, [], [], [], [])
     try:
         workspace = Workspace(8, CONTEXT_LEN, device)
         stock = stock_call(reference_arms().gluon, workspace)
         reference = reference_variant(contract)
         kernel = PlantedKernel(behaviour.fault, reference.fn)
-        # The reference contracts agree exactly.
-        verifier = make_verifier(tolerance=0.0, topk=topk) if behaviour.canary else None
-        reached: set[tuple] = set()  # the configurations whose calls reach FlyDSL
 
         cus = cu_count(device)
         heads, head_dim = problems.heads, problems.head_dim
@@ -521,9 +508,7 @@ def run_behaviour(
         if behaviour.plain_stock:
             hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
         variant = dataclasses.replace(reference, fn=kernel)
-        router = FlyDSLRouter(
-            stock, variant, hooks, logger, verifier=verifier, table=table, self_test=behaviour.self_test
-        )
+        router = FlyDSLRouter(stock, variant, hooks, logger, table=table, self_test=behaviour.self_test)
         tag = f"as {contract.name}"
         self_tested: set[tuple] = set()  # the shapes (and bounds) whose self-test ran
         for number, step in enumerate(behaviour.steps, start=1):
@@ -534,14 +519,12 @@ def run_behaviour(
                 args = problems.get(step).call_args()
             # The CUs the router sees are those of the call's own device (meta tensors: 1), as serving's.
             arm_wanted, launches_wanted, knobs_wanted = expect(step, contract, args, cu_count(args[0].device))
-            if launches_wanted:
-                reached.add((step.block_size, step.next_n, step.heads))
             result.expected.append(arm_wanted)
             router.hooks = dataclasses.replace(hooks, dcp_world_size=lambda dcp=step.dcp: dcp)
             if behaviour.shapes_only:
                 # The memoised rules' verdict and launch, as a call of these shapes gets them:
                 # no tensor is read.
-                route = router._new_route(Call.of(args, 1, step.caller, step.dcp))
+                route = router._memoise(("shapes only", number), args, 1, step.caller)
                 arm = FLYDSL if route.reason is None else STOCK
                 result.taken.append(arm)
                 result.launches.append(0)
@@ -594,12 +577,6 @@ def run_behaviour(
                 agreement = compare_in_windows(expected, out, ends, topk)
                 if not agreement.ok(0.0):
                     result.problems.append(f"{where} did not return stock's answer ({agreement.describe()})")
-        result.canary_runs = len(router.verified)
-        wanted = len(reached) if behaviour.canary else 0
-        if result.canary_runs != wanted:
-            result.problems.append(
-                f"{tag}: the canary ran {result.canary_runs} time(s), the case requires {wanted}"
-            )
     except Exception as e:  # noqa: BLE001 - a case that cannot run fails; check goes on
         result.problems.append(f"as {contract.name}: the case raised {type(e).__name__}: {e}")
     return result
@@ -607,7 +584,7 @@ def run_behaviour(
 
 def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
     """The section's table (one API's, which its heading names): its header row, then one row per case."""
-    header = ("case", "calls, in order", "expected", "taken", "FlyDSL launches", "canary", "result")
+    header = ("case", "calls, in order", "expected", "taken", "FlyDSL launches", "result")
     return [
         header,
         *[
@@ -617,7 +594,6 @@ def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
                 " ".join(r.expected),
                 "as expected" if r.taken == r.expected else " ".join(r.taken),  # the FAIL lines say where
                 " ".join(map(str, r.launches)),
-                f"{r.canary_runs} run" if r.behaviour.canary else "-",
                 "PASS" if r.ok else "FAIL",
             )
             for r in results

@@ -34,12 +34,17 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
-from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import Call
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, read_window_ends
 from vllm_flydsl_indexer.tools import cases, settings
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.cases import INDEXER
-from vllm_flydsl_indexer.tools.harness import Timer, device_of, quiet_logger, write_or_print
+from vllm_flydsl_indexer.tools.harness import (
+    Timer,
+    compare_in_windows,
+    device_of,
+    quiet_logger,
+    write_or_print,
+)
 from vllm_flydsl_indexer.tools.interrupt import (
     EXIT_INTERRUPTED,
     Stopped,
@@ -210,8 +215,7 @@ def shapes_from(args, device: torch.device) -> list[Shape]:
 
 def stock_reason(arms: Arms, problem: PagedProblem) -> str:
     """Why the router sent ``problem``'s call to stock: the variant's own verdict, else its rules'."""
-    call = Call.of(problem.call_args(), 1, INDEXER, 1)
-    return arms.flydsl_variant().violation(call) or "the router's rules send it to stock"
+    return arms.flydsl_variant().violation(*problem.call_args()[:5]) or "the router's rules send it to stock"
 
 
 def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:

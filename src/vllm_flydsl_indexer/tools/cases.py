@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer.kernels import KernelVariant
-from vllm_flydsl_indexer.target import SCALE_BYTES, Call
+from vllm_flydsl_indexer.target import SCALE_BYTES
 from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, mtp_bounds
 from vllm_flydsl_indexer.tools.settings import CHECK_BLOCKS, CHECK_BOUNDS_BLOCK
@@ -109,8 +109,12 @@ def expected_arm(case: Case, variant: KernelVariant) -> tuple[str, str]:
         return "stock", "C4A: vLLM's own Triton route"
     if case.strided:
         return "stock", "strided cache (block-outer layout)"
-    limit = variant.limits.violation(
-        case.heads, case.head_dim, case.block_size, case.head_dim + SCALE_BYTES, case.next_n
+    limit = variant.shape_violation(
+        case.heads,
+        case.head_dim,
+        case.block_size,
+        variant.index_dim or case.head_dim + SCALE_BYTES,
+        case.next_n,
     )
     if limit is not None:
         return "stock", f"the {variant.name} kernel does not take it"
@@ -124,7 +128,7 @@ def expected_arm(case: Case, variant: KernelVariant) -> tuple[str, str]:
         if case.dcp != 1:
             return "stock", "DCP-localised bounds"
     if variant.dispatch_objection is not None and variant.dispatch_objection(
-        _shapes_only(case), variant.preshuffle(case.block_size)
+        _shapes_only(case), case.block_size > 1
     ):
         return "stock", "aiter's dispatcher picks Gluon: vLLM's own call runs"
     if case.capturing:
@@ -132,23 +136,21 @@ def expected_arm(case: Case, variant: KernelVariant) -> tuple[str, str]:
     return "FlyDSL", "eligible"
 
 
-def _shapes_only(case: Case) -> Call:
+def _shapes_only(case: Case) -> tuple:
     """The case's call as contiguous meta tensors: what aiter's dispatcher reads (shapes, dtypes, strides)."""
     rows = case.batch * case.next_n
 
     def meta(*shape: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device="meta")
 
-    return Call(
+    return (
         meta(case.batch, case.next_n, case.heads, case.head_dim, dtype=torch.float8_e4m3fn),
         meta(1, case.block_size, 1, case.head_dim + SCALE_BYTES, dtype=torch.uint8),
         meta(rows, case.heads, dtype=torch.float32),
         meta(case.batch, case.next_n, dtype=torch.int32),
         meta(case.batch, 1, dtype=torch.int32),
+        None,
         case.context_len,
-        case.compress_ratio,
-        case.caller,
-        case.dcp,
     )
 
 

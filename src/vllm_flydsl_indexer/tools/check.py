@@ -35,6 +35,7 @@ Exit status is non-zero on any failure.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -42,9 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer.kernels import KernelLookup, find_kernel
-from vllm_flydsl_indexer.router import FlyDSLRouter, describe_configuration
-from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
+from vllm_flydsl_indexer.router import FlyDSLRouter, describe
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, read_window_ends
 from vllm_flydsl_indexer.tools import behaviour, settings
 from vllm_flydsl_indexer.tools.arms import Arms, detect_arms, variant_order
 from vllm_flydsl_indexer.tools.cases import (
@@ -57,7 +58,7 @@ from vllm_flydsl_indexer.tools.cases import (
     model_cases,
     mtp_next_n,
 )
-from vllm_flydsl_indexer.tools.harness import device_of, quiet_logger
+from vllm_flydsl_indexer.tools.harness import compare_in_windows, device_of, quiet_logger
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopSignal, interrupted_note
 from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
@@ -139,7 +140,7 @@ def run_case(
     except Exception as e:  # noqa: BLE001 - vLLM's own answer to a shape no kernel takes
         stock_out = e
 
-    taken, failed, rejected = router.calls_taken, len(router.failed), len(router.rejected)
+    taken, failed, rejected = router.calls_taken, len(router.failed), len(rejections(router))
     poison(rows, problem.max_model_len).fill_(float("nan"))
     with paths.with_dcp(router, case.dcp) if case.dcp != 1 else contextlib.nullcontext():
         try:
@@ -150,8 +151,8 @@ def run_case(
     kernel_error = None
     if len(router.failed) > failed:
         kernel_error = f"FlyDSL failed here: {next(reversed(router.failed.values()))}"
-    elif len(router.rejected) > rejected:
-        kernel_error = f"FlyDSL rejected the call: {router.rejected[-1]}"
+    elif len(rejections(router)) > rejected:
+        kernel_error = f"FlyDSL rejected the call: {rejections(router)[-1]}"
     if isinstance(stock_out, Exception) or isinstance(patched_out, Exception):
         return raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out)
 
@@ -214,14 +215,23 @@ def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_ou
     )
 
 
-def found_line(lookup: KernelLookup, arms: Arms) -> str:
+def rejections(router: FlyDSLRouter) -> list[str]:
+    """Why the kernel rejected a call's arguments, per route it rejected (in the router's memo)."""
+    return [r.reason for r in router.routes.values() if r.reason and r.reason.startswith("FlyDSL rejected")]
+
+
+Lookup = tuple[KernelVariant | None, str]  # find_kernel's answer: the variant (or None), and why
+
+
+def found_line(lookup: Lookup, arms: Arms) -> str:
     """What :func:`find_kernel` found, and what the cases ran as."""
     posed = arms.flydsl_variant().name
-    if lookup.variant is None:
-        why = lookup.reason.split("; ")[0]
+    variant, reason = lookup
+    if variant is None:
+        why = reason.split("; ")[0]
         return f"found:   no FlyDSL API ({why}); the cases ran as the {posed} API's reference"
-    where = f"{lookup.variant.name} ({lookup.variant.location})"
-    if lookup.variant.own_table:
+    where = f"{variant.name} ({variant.location})"
+    if variant.own_table:
         return (
             f"found:   aiter's tuned dispatcher {where}: it picks Gluon or a FlyDSL API per shape by its own "
             f"table, so the router behaviour below runs on every FlyDSL API it may pick; the model and "
@@ -241,7 +251,7 @@ def render(
     note: str | None = None,
     behaviours: list[behaviour.BehaviourResult] | None = None,
     planned: int | None = None,
-    lookup: KernelLookup | None = None,
+    lookup: Lookup | None = None,
     self_tests: list[behaviour.SelfTestResult] | None = None,
 ) -> str:
     """The report: scope, the found API and its cases, then the rest; ``planned``: how many
@@ -282,7 +292,7 @@ def render(
     scope = arms.label if arms.real else "reference contracts, not the real kernels"
     lines = [
         f"scope:   {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
-        found_line(lookup or KernelLookup(None, "not looked up"), arms),
+        found_line(lookup or (None, "not looked up"), arms),
         f"stock:   {paths.label}",
         "patched: the plugin's router as serving installs it, called from each case's call site"
         + (
@@ -316,27 +326,28 @@ def render(
             lines.append(f"FAIL {r.case.label}: the arms disagree ({', '.join(p for p in problems if p)})")
     if note:
         lines.append(note)
-    flag = envs.read_self_test()
-    if flag.error:  # as doctor and register() say it
-        lines += ["", f"warning: {flag.error}"]
-    if not flag.enabled:  # said, never a section dropped without a word
+    enabled, error = envs.read_flag(envs.SELFTEST, default=True)
+    if error:  # as doctor and register() say it
+        lines += ["", f"warning: {error}"]
+    if not enabled:  # said, never a section dropped without a word
         lines += [
             "",
             SELF_TEST_SECTION,
-            f"  off ({envs.SELFTEST}={(flag.raw or '').strip()}): the patched router ran without it, "
+            f"  off ({envs.SELFTEST}={os.environ.get(envs.SELFTEST, '').strip()}): the patched router ran "
+            "without it, "
             "as serving "
             f"would; unset {envs.SELFTEST} to check it too",
         ]
     elif paths.router.self_tests:
         lines += ["", SELF_TEST_SECTION]
-        for key, problem in paths.router.self_tests.items():
+        for (shape, bounds), problem in paths.router.self_tests.items():
             said = "passed" if problem is None else f"FAILED ({problem}): this configuration stays stock"
-            lines.append(f"  {describe_configuration(key)}: {said}")
+            lines.append(f"  {describe(shape)} bounds {bounds}: {said}")
     behaviours = behaviours or []
     self_tests = self_tests or []
     if behaviours:
         lines += ["", behaviour.HEADER]
-        found = lookup.variant.name if lookup and lookup.variant else None
+        found = lookup[0].name if lookup and lookup[0] else None
         for api in dict.fromkeys(r.variant for r in behaviours):  # the found API first
             ours = [r for r in behaviours if r.variant == api]
             lines += ["", f"as the {api} API" + (" (found)" if api == found else "")]
@@ -384,20 +395,20 @@ def meaning(real: bool) -> list[str]:
     ]
 
 
-def lookup_kernel() -> KernelLookup:
+def lookup_kernel() -> Lookup:
     """:func:`find_kernel`, which never raises; a failure is reported as the reason."""
     try:
         return find_kernel()
     except Exception as e:  # noqa: BLE001 - check reports, never crashes on the lookup
-        return KernelLookup(None, f"lookup failed ({type(e).__name__}: {e})")
+        return None, f"lookup failed ({type(e).__name__}: {e})"
 
 
-def pose_as_found(arms: Arms, lookup: KernelLookup) -> None:
+def pose_as_found(arms: Arms, lookup: Lookup) -> None:
     """Reference arms pose as the found API's reference contract (the general one if none, or the
     dispatcher, was found), unless they already carry an API."""
     if arms.real or arms.variant is not None:
         return
-    name = lookup.variant.name if lookup.variant is not None else None
+    name = lookup[0].name if lookup[0] is not None else None
     arms.pose_as(next((c for c in VARIANT_CONTRACTS if c.name == name), GENERAL))
 
 
@@ -413,7 +424,7 @@ def main(args) -> int:
     arms = detect_arms(device, force_reference=args.reference)
     lookup = lookup_kernel()
     pose_as_found(arms, lookup)
-    contracts = variant_order(lookup.variant.name if lookup.variant is not None else None)
+    contracts = variant_order(lookup[0].name if lookup[0] is not None else None)
     max_rows = max(c.batch * max(c.next_n, c.flattened) for c in cases)
     paths = build_paths(arms, device, max_rows, context, quiet_logger())
     capture_router = paths.make_router(is_capturing=lambda: True)

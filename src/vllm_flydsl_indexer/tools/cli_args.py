@@ -23,8 +23,7 @@ import os
 import re
 from typing import TYPE_CHECKING, NoReturn
 
-from vllm_flydsl_indexer import files
-from vllm_flydsl_indexer.tools import outputs, settings
+from vllm_flydsl_indexer.tools import files, outputs, settings
 from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS, MODEL_SHAPES
 from vllm_flydsl_indexer.tools.settings import (
     BENCH_ARMS,
@@ -53,7 +52,7 @@ from vllm_flydsl_indexer.tools.settings import (
 )
 
 if TYPE_CHECKING:
-    from vllm_flydsl_indexer.tuning import TunedRow
+    from vllm_flydsl_indexer.tools.tuned import TunedRow
 
 __all__ = [
     "OUTPUTS",
@@ -520,10 +519,10 @@ def tune_file(
     path: str,
 ) -> tuple[tuple[list[str], list[TunedRow], list[tuple[int, str]]] | None, str | None]:
     """The table already in ``--tune path`` (``None`` for a new or empty file), and why it cannot be
-    merged into (it is not aiter's format or has a row ``tuning.check_row`` refuses), or ``None``.
+    merged into (it is not aiter's format or has a row ``tuned.check_row`` refuses), or ``None``.
 
-    Read as the plugin reads a table (``tuning.read_table``): ``#`` lines, a byte-order mark, CRLF."""
-    from vllm_flydsl_indexer import tuning
+    Read as the plugin reads a table (``tuned.read_table``): ``#`` lines, a byte-order mark, CRLF."""
+    from vllm_flydsl_indexer.tools import tuned
 
     if not os.path.exists(path):
         return None, None  # a new table (or a symlink to one: written through, as every output)
@@ -531,18 +530,18 @@ def tune_file(
         text = files.read_text(path)
         found = _header(text)
         if found is None:  # blank and ``#`` lines only: a new table under them
-            return tuning.read_table([*text.splitlines(keepends=True), ",".join(tuning.COLUMNS)], path), None
+            return tuned.read_table([*text.splitlines(keepends=True), ",".join(tuned.COLUMNS)], path), None
         # Refused in the reader's order: a header missing a column (not a table), a row check_row refuses
         # (not merged into), then a header of another order or with more columns (not a table either).
         number, header = found
-        missing = [c for c in tuning.COLUMNS if c not in header]
+        missing = [c for c in tuned.COLUMNS if c not in header]
         if missing:
             return None, _not_a_table(path, f"{path}: line {number}: missing column(s) {', '.join(missing)}")
-        table = tuning.read_table(io.StringIO(text, newline=""), path)
-        if tuple(table[0]) != tuning.COLUMNS:
+        table = tuned.read_table(io.StringIO(text, newline=""), path)
+        if tuple(table[0]) != tuned.COLUMNS:
             return None, _not_a_table(path, f"{path}: header {','.join(table[0])}")
         return table, None
-    except tuning.TableError as e:
+    except tuned.TableError as e:
         return (
             None,
             f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)",
@@ -557,20 +556,20 @@ def tune_file(
 def _header(text: str) -> tuple[int, list[str]] | None:
     """The line number and cells of ``text``'s header (its first line neither blank nor ``#``; the reader
     already dropped a byte-order mark), or ``None``."""
-    from vllm_flydsl_indexer import tuning
+    from vllm_flydsl_indexer.tools import tuned
 
     for number, line in enumerate(text.splitlines(), 1):
-        if line.strip() and not line.lstrip().startswith(tuning.COMMENT):
+        if line.strip() and not line.lstrip().startswith(tuned.COMMENT):
             return number, next(csv.reader([line]))
     return None
 
 
 def _not_a_table(path: str, why: str) -> str:
-    from vllm_flydsl_indexer import tuning
+    from vllm_flydsl_indexer.tools import tuned
 
     return (
         f"argument --tune: {path} is not an aiter-format tuned CSV ({why}; expected the header "
-        f"{','.join(tuning.COLUMNS)}); not overwriting it: give a new, empty or earlier --tune file"
+        f"{','.join(tuned.COLUMNS)}); not overwriting it: give a new, empty or earlier --tune file"
     )
 
 

@@ -15,15 +15,14 @@ import sys
 import textwrap
 from typing import Any
 
-from vllm_flydsl_indexer import envs, files, gates, tuning
+from vllm_flydsl_indexer import envs, gates, tuning
 from vllm_flydsl_indexer.kernels import (
     AITER_DISTRIBUTIONS,
-    BLOCK_OUTER_LAYOUTS,
     BLOCK_OUTER_NOTE,
-    LAYOUT_VARIABLE,
     KernelVariant,
     installed_version,
 )
+from vllm_flydsl_indexer.tools import files, tuned
 from vllm_flydsl_indexer.tools.models import (
     MODEL_SHAPES,
     REPORT_BLOCK_SIZES,
@@ -50,6 +49,10 @@ __all__ = [
 ]
 
 NOT_INSTALLED = "not installed"
+# vLLM's KV cache layouts with the block dimension outside the layer dimension
+# (vllm/v1/kv_cache_layout.py; tests/test_drift.py pins them), and the variable that picks one.
+BLOCK_OUTER_LAYOUTS = ("BLHNC", "BLNHC", "BHLNC")
+LAYOUT_VARIABLE = "VLLM_KV_CACHE_LAYOUT"
 # Distribution names to read versions from, first found wins.
 PACKAGES = {
     "torch": ("torch",),
@@ -61,8 +64,12 @@ PACKAGES = {
 
 
 def package_version(dists: tuple[str, ...]) -> str:
-    found = installed_version(dists)
-    return f"{found[0]} ({found[1]})" if found else NOT_INSTALLED
+    for dist in dists:
+        try:
+            return f"{importlib.metadata.version(dist)} ({dist})"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return NOT_INSTALLED
 
 
 def platform_report() -> dict[str, Any]:
@@ -110,7 +117,8 @@ def kernel_report(variant: KernelVariant | None) -> dict[str, Any] | None:
 
 
 def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> dict[str, Any]:
-    """The tuned table the plugin would use here, where it comes from, and what it picks."""
+    """The tuned table the plugin would use here, where it comes from, what it picks, and why each row it
+    skips is refused (the plugin reads leniently; this is the validator's word on every cell)."""
     if decision.variant is not None and decision.variant.own_table:
         return {
             "source": None,
@@ -118,21 +126,20 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
             "note": "aiter's dispatcher decides with its own tuned table",
         }
     env = os.environ if environ is None else environ
-    chosen = tuning.table_source(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
+    sources = tuning.sources(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
-    used, table, skipped = tuning.resolve(chosen, gfx)  # the plugin's own reader and fallback: never raises
-    ignored = [
-        {"source": source.name, "origin": source.origin, "note": f"IGNORED: {text}"}
-        for (source, _), text in zip(skipped, tuning.ignored_text(used, skipped), strict=True)
-    ]
-    if table is None:
-        first = ignored[0] if ignored else {"source": used.name, "origin": used.origin, "note": used.label}
-        return {
-            **first,
-            "in_use": tuning.in_use(chosen, None),
-            "ignored": ignored,
-        }
-    chosen = used
+    ignored: list[dict[str, Any]] = []
+    for path, origin, label in sources:
+        name = tuning.BUILTIN_LABEL if origin == "built-in" else path
+        if path is None:
+            first = ignored[0] if ignored else {"source": None, "origin": origin, "note": label}
+            return {**first, "in_use": label, "ignored": ignored}
+        table = tuning.read(path, gfx, name, origin)  # the plugin's own reader: never raises
+        if isinstance(table, str):
+            ignored.append({"source": name, "origin": origin, "note": f"IGNORED: {table}; next source tried"})
+            continue
+        break
+    skipped = tuned.row_problems(path) if table.skipped else []
     shapes = describe(table)
     for shape in shapes:
         for bucket in shape["buckets"]:
@@ -152,16 +159,17 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
             "FlyDSL wherever eligible"
         )
     return {
-        "source": chosen.name,
-        "origin": chosen.origin,
-        "label": chosen.label,
+        "source": name,
+        "origin": origin,
+        "label": label,
         "gfx": gfx,
-        "rows": table.rows,
+        "rows": sum(len(rows) for buckets in table.shapes.values() for rows in buckets.values()),
+        "skipped": skipped,
         "cu_here": cus,
         "applies": applies,
         "shapes": shapes,
         "note": "in use",
-        "in_use": tuning.in_use(chosen, table),
+        "in_use": label,
         "ignored": ignored,
     }
 
@@ -169,20 +177,17 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
 def describe(table: tuning.TunedTable) -> list[dict[str, object]]:
     """Per shape and CU count, the arm (and FlyDSL knob) of each batch bucket."""
     out = []
-    for (cus, next_n, heads, head_dim, block_size, preshuffle), buckets in sorted(table.shapes.items()):
+    for (cus, next_n, heads, head_dim, block_size), buckets in sorted(table.shapes.items()):
         entries = []
         for batch in sorted(buckets):
-            pick = table.choice(cus, batch, next_n, heads, head_dim, block_size)
-            if pick is None or pick.bucket != batch:  # unreachable for a table check_row passed
-                entries.append({"batch_at_least": batch, "arm": "stock", "why": "no call matches"})
-                continue
-            arm = "flydsl" if pick.backend == "flydsl" and pick.conflict is None else "stock"
+            backend, _, wg_per_cu, conflict = table.choice(cus, batch, next_n, heads, head_dim, block_size)
+            arm = "flydsl" if backend == "flydsl" and conflict is None else "stock"
             entry: dict[str, object] = {"batch_at_least": batch, "arm": arm}
-            if pick.backend == "flydsl":
-                entry["wg_per_cu"] = pick.wg_per_cu
+            if backend == "flydsl":
+                entry["wg_per_cu"] = wg_per_cu
             entries.append(entry)
         shape = {"cu_num": cus, "next_n": next_n, "heads": heads, "head_dim": head_dim}
-        out.append({**shape, "kv_block_size": block_size, "preshuffle": preshuffle, "buckets": entries})
+        out.append({**shape, "kv_block_size": block_size, "preshuffle": block_size > 1, "buckets": entries})
     return out
 
 
@@ -290,7 +295,7 @@ def flydsl_requirement_report() -> dict[str, Any]:
             data["aiter_dist"], data["declares"] = dist, _flydsl_requirement(requirements)
             break
         found = installed_version(PACKAGES["flydsl"])
-        data["installed"] = found[0] if found else None
+        data["installed"] = None if found == "unknown" else found
     except Exception as e:  # noqa: BLE001 - doctor reports, never crashes
         return data | {"note": f"unknown ({type(e).__name__}: {e})"}
     if data["aiter_dist"] is None:
@@ -320,15 +325,30 @@ def stock_report(plat: dict[str, Any]) -> str:
     return "Gluon" if target is not None else why
 
 
+# Retired with the runtime canary (issue 43): ``check --device`` and ``bench`` compare the arms.
+VERIFY = "VLLM_FLYDSL_INDEXER_VERIFY"
+
+
+def verify_hint(environ: dict[str, str] | None) -> str | None:
+    """A note where the retired canary variable is still set, else ``None``."""
+    if (os.environ if environ is None else environ).get(VERIFY) is None:
+        return None
+    return (
+        f"{VERIFY} is retired and ignored: the plugin no longer runs a canary while serving; "
+        "vllm-flydsl-indexer check --device and bench compare the two arms on this GPU"
+    )
+
+
 def _self_test_report(environ: dict[str, str] | None) -> str:
     """Whether each configuration proves itself against stock before its first use, and why."""
-    flag = envs.read_self_test(environ)
+    enabled, error = envs.read_flag(envs.SELFTEST, environ, default=True)
     said = (
         "on: each FlyDSL configuration is checked against stock on this GPU at its first call"
-        if flag.enabled
+        if enabled
         else "off: FlyDSL configurations are used unchecked"
     )
-    return f"{said} ({envs.SELFTEST}={flag.raw!r})" + (f" [{flag.error}]" if flag.error else "")
+    raw = (os.environ if environ is None else environ).get(envs.SELFTEST)
+    return f"{said} ({envs.SELFTEST}={raw!r})" + (f" [{error}]" if error else "")
 
 
 def report(
@@ -339,7 +359,7 @@ def report(
     table = table_report(decision, environ)
     if decision.active:
         decision.table = table.get("in_use")  # the ACTIVE line names it, as register() does
-    switch = envs.read_flag(envs.SWITCH, environ)
+    switch, switch_error = envs.read_flag(envs.SWITCH, environ)
     plat = platform_report()
     data = {
         "versions": {
@@ -349,15 +369,16 @@ def report(
         "platform": plat,
         "switch": {
             "name": envs.SWITCH,
-            "value": switch.raw,
-            "parsed": switch.error is None,
-            "enabled": switch.enabled,
-            "error": switch.error,
+            "value": (os.environ if environ is None else environ).get(envs.SWITCH),
+            "parsed": switch_error is None,
+            "enabled": switch,
+            "error": switch_error,
         },
-        "verify": envs.read_flag(envs.VERIFY, environ).enabled,
+        "verify": verify_hint(environ),
         "self_test": _self_test_report(environ),
         "gates": [
-            {"name": g.name, "ok": g.ok, "skipped": g.skipped, "detail": g.detail} for g in decision.gates
+            {"name": name, "ok": bool(ok), "skipped": ok is None, "detail": detail}
+            for name, ok, detail in decision.gates
         ],
         "kernel": kernel_report(decision.variant),
         "tuned_table": table,
@@ -404,6 +425,7 @@ def render_table(table: dict[str, Any]) -> list[str]:
         *ignored,
         f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; uncovered shapes: FlyDSL)",
         f"             {table['applies']}",
+        *(f"  skipped by the plugin: {why}" for why in table.get("skipped", ())),
     ]
     for shape in table["shapes"]:
         out.append(
@@ -440,6 +462,7 @@ def render(data: dict[str, Any]) -> str:
     )
     out = [f"arm:      {arm}  ({pointed['reason']})", f"log line: {data['log_line']}"]
     out += [f"warning:  {w}" for w in pointed["warnings"]]
+    out += [f"note:     {data['verify']}"] if data.get("verify") else []
     out += ["", "versions:"]
     out += [f"  {k:<8} {v}" for k, v in data["versions"].items()]
     needs = data["flydsl_for_aiter"]

@@ -12,18 +12,81 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_flydsl_indexer import selftest
+from vllm_flydsl_indexer.target import INDEX_TOPK
 from vllm_flydsl_indexer.tools.interrupt import StopSignal, write_atomic
 
-__all__ = ["Timer", "device_of", "quiet_logger", "write_or_print"]
+__all__ = [
+    "Agreement", "Timer", "compare_in_windows", "device_of", "plugin_logger", "quiet_logger", "with_once",
+    "write_or_print",
+]  # fmt: skip
+
+
+@dataclass
+class Agreement:
+    """What the plugin's agreement rule (``selftest.compare_in_windows``) found, for the tools' reports."""
+
+    rows: int
+    read_columns: int
+    max_rel_diff: float
+    mask_equal: bool
+    topk_equal: bool
+    nan_free: bool
+
+    def within(self, tolerance: float) -> bool:
+        """The relative difference is inside the rule (exactly 0 when ``tolerance`` is 0)."""
+        return self.max_rel_diff == 0.0 if tolerance == 0 else self.max_rel_diff < tolerance
+
+    def ok(self, tolerance: float) -> bool:
+        return selftest.disagreement(vars(self), tolerance) is None
+
+    def describe(self) -> str:
+        return selftest.describe_agreement(vars(self))
+
+
+def compare_in_windows(
+    expected: torch.Tensor, actual: torch.Tensor, ends: torch.Tensor, topk: int = INDEX_TOPK
+) -> Agreement:
+    """The plugin's agreement rule, as an :class:`Agreement`."""
+    return Agreement(**selftest.compare_in_windows(expected, actual, ends, topk))
 
 
 def device_of(args: Any) -> torch.device:
     """``--device``, else the GPU when there is one, else the CPU."""
     return torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def with_once(logger: logging.Logger) -> logging.Logger:
+    """``logger`` with the ``*_once`` methods the plugin calls (vLLM's logger has them; a stdlib one, where
+    vLLM is absent, gets these: once per distinct text)."""
+    seen: set[tuple[int, str]] = set()
+    for name, level in (("debug", 10), ("info", 20), ("warning", 30), ("error", 40)):
+        if callable(vars(logger).get(f"{name}_once")):
+            continue
+
+        def once(msg: str, *args: object, level: int = level, **_: object) -> None:
+            text = msg % args if args else msg
+            if (level, text) not in seen:
+                seen.add((level, text))
+                logger.log(level, "%s", text)
+
+        setattr(logger, f"{name}_once", once)
+    return logger
+
+
+def plugin_logger() -> logging.Logger:
+    """The plugin's logger: vLLM's where it imports, else the same name's stdlib logger."""
+    from vllm_flydsl_indexer.envs import LOGGER_NAME, get_logger
+
+    try:
+        return get_logger()
+    except Exception:  # noqa: BLE001 - no vLLM (check's fresh venv) or a broken one
+        return with_once(logging.getLogger(LOGGER_NAME))
 
 
 def quiet_logger() -> logging.Logger:
@@ -32,7 +95,7 @@ def quiet_logger() -> logging.Logger:
     logger.propagate = False
     if not logger.handlers:
         logger.addHandler(logging.NullHandler())
-    return logger
+    return with_once(logger)
 
 
 class Timer:

@@ -20,7 +20,10 @@ __all__ = [
     "REPORT_BLOCK_SIZES",
     "REPORT_NEXT_NS",
     "eligible_configs",
+    "takes_shape",
 ]
+
+from vllm_flydsl_indexer.target import SCALE_BYTES
 
 if TYPE_CHECKING:
     from vllm_flydsl_indexer.kernels import KernelVariant
@@ -49,10 +52,16 @@ REPORT_BLOCK_SIZES = (64, 1)
 REPORT_NEXT_NS = (1, 2)
 
 
+def takes_shape(variant: KernelVariant, heads: int, head_dim: int, block_size: int, next_n: int) -> bool:
+    """Whether ``variant``'s contract takes vLLM's cache at this shape (for reports)."""
+    index_dim = variant.index_dim or head_dim + SCALE_BYTES
+    return variant.shape_violation(heads, head_dim, block_size, index_dim, next_n) is None
+
+
 def eligible_configs(variant: KernelVariant) -> Iterator[tuple[str, int, int, int, int]]:
     """``(label, heads, head_dim, KVBlockSize, next_n)`` of the report shapes ``variant`` takes."""
     for m in MODEL_SHAPES:
         for block_size in REPORT_BLOCK_SIZES:
             for next_n in REPORT_NEXT_NS:
-                if variant.takes_shape(m.heads, m.head_dim, block_size, next_n):
+                if takes_shape(variant, m.heads, m.head_dim, block_size, next_n):
                     yield m.label, m.heads, m.head_dim, block_size, next_n

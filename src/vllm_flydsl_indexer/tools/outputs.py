@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from typing import IO
 
-from vllm_flydsl_indexer.files import FileRefused, kind_of
+from vllm_flydsl_indexer.tools.files import FileRefused, kind_of
 
 __all__ = ["OUTPUT_RULE", "kind_problem", "outputs_problem", "write_atomic", "write_atomic_bytes"]
 

@@ -32,19 +32,9 @@ from types import ModuleType
 
 import torch
 
-from vllm_flydsl_indexer import envs, patch
-from vllm_flydsl_indexer.envs import get_logger
+from vllm_flydsl_indexer import envs, gates, patch
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.target import (
-    TARGET_MODULE,
-    TARGET_NAME,
-    ContentDrift,
-    GluonQuestion,
-    StockHooks,
-    signature_problem,
-    unpatched,
-    vllm_stock_hooks,
-)
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME, StockHooks, unpatched, vllm_stock_hooks
 from vllm_flydsl_indexer.tools.arms import (
     Arms,
     Workspace,
@@ -52,6 +42,7 @@ from vllm_flydsl_indexer.tools.arms import (
     mirror_hooks,
     stock_call,
 )
+from vllm_flydsl_indexer.tools.harness import plugin_logger
 from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
 __all__ = ["Paths", "build_paths", "call_site_in", "vllm_gluon_objection", "vllm_target"]
@@ -77,11 +68,9 @@ def call_site_in(module: ModuleType) -> Callable[[Callable, tuple, dict], object
 def vllm_gluon_objection(
     target: object, aiter_ops: object = None, compress_ratio: int = 1, block_size: int = 1
 ) -> str | None:
-    """Why vLLM's original (module ``target``) would not call aiter's gfx950 Gluon kernel, or ``None``:
-    the router's question (:class:`~vllm_flydsl_indexer.target.GluonQuestion`), asked once."""
-    if aiter_ops is None:
-        from vllm._aiter_ops import rocm_aiter_ops as aiter_ops
-    return GluonQuestion.of(target, aiter_ops)(compress_ratio, block_size)
+    """Why vLLM's original (module ``target``, or a stand-in) would not call aiter's gfx950 Gluon kernel,
+    or ``None``: the router's question (the hooks' ``gluon_objection``), asked once."""
+    return vllm_stock_hooks(target, "size", aiter_ops).gluon_objection(compress_ratio, block_size)
 
 
 @dataclass
@@ -144,23 +133,26 @@ class Paths:
 
 def vllm_target() -> tuple[ModuleType | None, str]:
     """vLLM's target module when its stock call would run aiter's Gluon on gfx950, else why not."""
+    target, _, why = _vllm_target()
+    return target, why
+
+
+def _vllm_target() -> tuple[ModuleType | None, StockHooks | None, str]:
+    """:func:`vllm_target`, and the hooks the patch's target gate resolved (signature, fingerprint, names)."""
     try:
-        target = importlib.import_module(TARGET_MODULE)
+        importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001 - no vLLM is a reason, not an error
-        return None, f"vLLM unavailable ({type(e).__name__})"
-    problem = signature_problem(unpatched(vars(target).get(TARGET_NAME)))
-    if problem is not None:
-        return None, f"{TARGET_NAME}: {problem}"
+        return None, None, f"vLLM unavailable ({type(e).__name__})"
+    (_, ok, detail), target, hooks = gates.check_target(envs.read_flag(envs.ALLOW_UNTESTED_VLLM)[0])
+    if not ok:
+        return None, None, detail
     try:
-        vllm_stock_hooks(target)  # as the patch's install: the original does what the hooks mirror
-        why = vllm_gluon_objection(target)
-    except ContentDrift as e:
-        return None, str(e)
+        why = hooks.gluon_objection(1, 1)
     except Exception as e:  # noqa: BLE001
-        return None, f"vLLM's aiter lookup failed ({type(e).__name__}: {e})"
+        return None, None, f"vLLM's aiter lookup failed ({type(e).__name__}: {e})"
     if why is not None:
-        return None, why
-    return target, "vLLM would run aiter's Gluon kernel here"
+        return None, None, why
+    return target, hooks, "vLLM would run aiter's Gluon kernel here"
 
 
 @contextlib.contextmanager
@@ -224,11 +216,11 @@ def build_paths(
 ) -> Paths:
     """vLLM's own paths when vLLM would run Gluon here, else the mirror."""
     variant = arms.flydsl_variant()
-    logger = logger or get_logger()
-    target, why = vllm_target()
+    logger = logger or plugin_logger()
+    target, found_hooks, why = _vllm_target()
     if target is not None:
         stock = unpatched(vars(target)[TARGET_NAME])
-        hooks = vllm_stock_hooks(target)
+        hooks = found_hooks
         session = functools.partial(_vllm_session, target, device, hooks, arms.real)
         kernels = (
             "aiter's Gluon kernel" if arms.real else "its aiter lookups pointed at the reference contracts"
@@ -243,7 +235,7 @@ def build_paths(
 
     def make_router(**kwargs) -> FlyDSLRouter:
         # As serving installs it: the self-test unless VLLM_FLYDSL_INDEXER_SELFTEST turns it off.
-        kwargs.setdefault("self_test", envs.read_self_test().enabled)
+        kwargs.setdefault("self_test", envs.read_flag(envs.SELFTEST, default=True)[0])
         return FlyDSLRouter(stock, variant, hooks, logger, **kwargs)
 
     return Paths(

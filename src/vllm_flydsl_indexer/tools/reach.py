@@ -25,16 +25,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from vllm_flydsl_indexer import files
-from vllm_flydsl_indexer.target import (
-    DEFINING_MODULE,
-    FP8_SETTING,
-    MXFP4_DEFAULT_FUNCTION,
-    MXFP4_DEFAULT_MODULE,
-    mxfp4_reason,
-)
+from vllm_flydsl_indexer.target import TARGET_MODULE, TARGET_NAME
+from vllm_flydsl_indexer.tools import files
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
-from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT_NEXT_NS
+from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT_NEXT_NS, takes_shape
 
 __all__ = [
     "BLOCK_OUTER",
@@ -57,6 +51,23 @@ __all__ = [
     "resolved_layout",
     "shape_of",
 ]
+
+# The path that never calls the target: aiter's MXFP4 indexer, which vLLM resolves "auto" to for
+# DeepSeek-V4 on CDNA4 with aiter (vLLM 0.33.0 and later), and the setting that keeps FP8. The plugin no
+# longer watches vLLM's config for it at run time: ``doctor --model`` says it (issue 43).
+MXFP4_DEFAULT_MODULE = "vllm.platforms.rocm"
+MXFP4_DEFAULT_FUNCTION = "_maybe_default_dsv4_mxfp4_indexer"
+FP8_SETTING = """--attention-config '{"indexer_kv_dtype": "fp8"}'"""
+
+
+def mxfp4_reason(model_type: str) -> str:
+    """Why a model on the MXFP4 indexer never reaches FlyDSL (doctor's reason)."""
+    return (
+        f"{model_type} runs aiter's MXFP4 indexer (indexer_kv_dtype 'mxfp4', vLLM's default for it on "
+        f"MI350/MI355 with aiter: {MXFP4_DEFAULT_FUNCTION}), which never calls {TARGET_NAME}; "
+        f"{FP8_SETTING} selects the FP8 indexer, which does"
+    )
+
 
 if TYPE_CHECKING:
     from vllm_flydsl_indexer.gates import Decision
@@ -102,7 +113,7 @@ MODELS: dict[str, ModelReach] = {
             "DeepSeek-V3.2",
             "DeepseekV32ForCausalLM",
             (ROCM_SPARSE_MLA, V32_INDEXER),
-            DEFINING_MODULE,
+            TARGET_MODULE,
             (1,),
             BY_NAME["deepseek-v3.2"].heads,
             BY_NAME["deepseek-v3.2"].head_dim,
@@ -114,7 +125,7 @@ MODELS: dict[str, ModelReach] = {
             "GLM-5.x",
             "GlmMoeDsaForCausalLM",
             (ROCM_SPARSE_MLA, V32_INDEXER),
-            DEFINING_MODULE,
+            TARGET_MODULE,
             (1,),
             BY_NAME["glm-5"].heads,
             BY_NAME["glm-5"].head_dim,
@@ -126,7 +137,7 @@ MODELS: dict[str, ModelReach] = {
             "DeepSeek-V4",
             "DeepseekV4ForCausalLM",
             (f"{_MLA}.indexer:DeepseekV4IndexerBackend",),
-            DEFINING_MODULE,
+            TARGET_MODULE,
             (4,),
             64,
             128,
@@ -141,7 +152,7 @@ MODELS: dict[str, ModelReach] = {
             (f"{_MLA}.indexer:DeepseekV41IndexerBackend",),
             # On gfx950 its FP8 indexer is vLLM's, through rocm_aiter_sparse_attn_indexer: its AMD ops
             # module (deepseek_v41.amd.ops.sparse_indexer) calls the target only with --monokernel on gfx942.
-            DEFINING_MODULE,
+            TARGET_MODULE,
             (1, 2),
             BY_NAME["glm-5"].heads,
             BY_NAME["glm-5"].head_dim,
@@ -325,6 +336,8 @@ def c4a_objection(compress_ratio: int, block_size: int) -> str | None:
         _ON_GFX942=False,
         _indexer_k_is_c4a_block_flat=flat,
         paged_mqa_logits_module=lambda: object(),
+        current_workspace_manager=lambda: None,
+        _per_sequence_context_lens=lambda lens: lens,
     )
     aiter_on = SimpleNamespace(is_enabled=lambda: True, is_rdna_aiter_enabled=lambda: False)
     reason = vllm_gluon_objection(gfx950, aiter_on, compress_ratio, block_size)  # type: ignore[arg-type]
@@ -353,8 +366,7 @@ def shape_of(config: dict[str, Any] | None, model: ModelReach) -> tuple[int, int
 
 def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -> dict[str, Any]:
     """The ``model`` section of doctor's report: path, layout, call site, shapes, verdict."""
-    from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE, Limits
-    from vllm_flydsl_indexer.target import SCALE_BYTES
+    from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE, KernelVariant
 
     model = MODELS[model_type]
     reasons: list[str] = []
@@ -410,12 +422,8 @@ def assess(model_type: str, config: dict[str, Any] | None, decision: Decision) -
     shapes = []
     for block_size in model.block_sizes:
         for next_n in REPORT_NEXT_NS:
-            if variant is not None:
-                takes = variant.takes_shape(heads, head_dim, block_size, next_n)
-            else:
-                takes = (
-                    Limits().violation(heads, head_dim, block_size, head_dim + SCALE_BYTES, next_n) is None
-                )
+            general = KernelVariant("general", print, "", "")  # the general FlyDSL contract
+            takes = takes_shape(variant or general, heads, head_dim, block_size, next_n)
             # callers.window_rule: next_n > 1 only from an audited multi-row site, at compress_ratio 1.
             if next_n > 1 and (site is None or not site.multi_row or 1 not in model.compress_ratios):
                 takes = False

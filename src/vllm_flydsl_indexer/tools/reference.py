@@ -34,7 +34,6 @@ __all__ = [
     "FP8_E4M3FN_MAX",
     "GENERAL",
     "GFX950",
-    "GFX950_EARLY",
     "GFX950_KNOBS",
     "PagedProblem",
     "SCALE_FLOOR",
@@ -526,8 +525,7 @@ class VariantContract:
 
 GENERAL = VariantContract("general", None, None, None, None, None, None)
 GFX950 = VariantContract("gfx950", frozenset({32}), 128, 64, 132, 8, 3, strict=True)
-GFX950_EARLY = VariantContract("gfx950-early", frozenset({32, 64}), 128, 64, 132, 2, 8)
-VARIANT_CONTRACTS = (GENERAL, GFX950, GFX950_EARLY)
+VARIANT_CONTRACTS = (GENERAL, GFX950)
 GFX950_KNOBS = frozenset({"next_n_lens", "SplitKV", "TotalCuCount", "stream"})
 
 

@@ -18,14 +18,14 @@ side by side in one process on the same inputs, as aiter's own tuner
   reference, then is timed (device events, median of repeats, input sets
   rotated) at every context length of the grid.
 * **One row per shape and batch,** in aiter's tuned-CSV format
-  (:data:`tuning.COLUMNS`): the candidate with the lowest geometric mean over
+  (:data:`tuned.COLUMNS`): the candidate with the lowest geometric mean over
   the context lengths (written ``8192;32768``), its knob (FlyDSL:
   ``0,0,wg_per_cu``; Gluon: ``ChunkK,WavePerEU,0``), and each backend's best
   time. aiter's dispatcher reads such a row exactly as the plugin does.
 
-Rows are merged into an existing file, which must pass :func:`tuning.check_row`
+Rows are merged into an existing file, which must pass :func:`tuned.check_row`
 on every row (a malformed file is refused before any work and left untouched):
-a row of the same GPU and lookup key (:data:`tuning.KEY_COLUMNS`) is replaced,
+a row of the same GPU and lookup key (:data:`tuned.KEY_COLUMNS`) is replaced,
 every other row is kept as it was. The file is written atomically. A SIGINT or
 SIGTERM stops at the next timed call, dropping the shape being measured: the
 finished rows are merged and written, the JSON says ``interrupted``, and the
@@ -53,13 +53,11 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_flydsl_indexer import tuning
 from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, WORKGROUPS_PER_CU, KernelVariant, cu_count
-from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import Call
-from vllm_flydsl_indexer.tools import cli_args, settings
+from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, read_window_ends
+from vllm_flydsl_indexer.tools import cli_args, settings, tuned
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
-from vllm_flydsl_indexer.tools.harness import Timer, device_of, write_or_print
+from vllm_flydsl_indexer.tools.harness import Timer, compare_in_windows, device_of, write_or_print
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, Stopped, StopSignal, interrupted_note
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, per_sequence_lens
 
@@ -148,8 +146,7 @@ def candidates(
 ) -> dict[str, tuple[str, int, Callable]]:
     """``{name: (backend, wg_per_cu, run)}``: stock's one call; FlyDSL's where its contract takes ``p``."""
     out = {"gluon": ("gluon", 0, raw_launch(arms.gluon, workspace.get, **GLUON_KNOBS))}
-    call = Call(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, p.max_model_len, 1, None, 1)
-    if variant.violation(call) is None:
+    if variant.violation(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables) is None:
         for wg in tuned_wg_per_cu(variant):
             out[f"flydsl wg_per_cu={wg}"] = ("flydsl", wg, flydsl_launch(variant, workspace.get, cus, wg))
     return out
@@ -251,7 +248,7 @@ def tune_rows(
         )
         row = dict(
             zip(
-                tuning.COLUMNS,
+                tuned.COLUMNS,
                 (
                     gfx,
                     cus,
@@ -261,7 +258,7 @@ def tune_rows(
                     args.head_dim,
                     kvb,
                     int(kvb > 1),
-                    tuning.CONTEXT_LEN_SEPARATOR.join(str(c) for c in sorted(contexts)),
+                    tuned.CONTEXT_LEN_SEPARATOR.join(str(c) for c in sorted(contexts)),
                     backend,
                     chunk_k,
                     wave_per_eu,
@@ -289,7 +286,7 @@ def tuned_wg_per_cu(variant: KernelVariant) -> tuple[int, ...]:
     return TUNER_WG_PER_CU if variant.split_kv_workgroups_per_cu is not None else (0,)
 
 
-def existing_rows(path: str) -> tuple[list[str], list[tuning.TunedRow], list[tuple[int, str]]] | None:
+def existing_rows(path: str) -> tuple[list[str], list[tuned.TunedRow], list[tuple[int, str]]] | None:
     """The table already in ``path`` (``None`` if absent or empty), every row validated.
 
     Refuses (exit 2, one line) a file that is not aiter's format or has any
@@ -303,12 +300,12 @@ def existing_rows(path: str) -> tuple[list[str], list[tuning.TunedRow], list[tup
 
 def _row_id(row: dict[str, object]) -> tuple:
     """A measured row's lookup identity, validated: what this tool writes, the plugin reads back."""
-    checked = tuning.check_row({k: str(v) for k, v in row.items()})
+    checked = tuned.check_row({k: str(v) for k, v in row.items()})
     return (checked.gfx, checked.key)
 
 
 def table_text(
-    earlier: tuple[list[str], list[tuning.TunedRow], list[tuple[int, str]]] | list[tuning.TunedRow] | None,
+    earlier: tuple[list[str], list[tuned.TunedRow], list[tuple[int, str]]] | list[tuned.TunedRow] | None,
     rows: list[dict[str, object]],
 ) -> tuple[str, int]:
     """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest, and every
@@ -316,12 +313,12 @@ def table_text(
     import csv
 
     if not isinstance(earlier, tuple):  # rows alone: no header or comments read
-        earlier = (list(tuning.COLUMNS), list(earlier or ()), [])
+        earlier = (list(tuned.COLUMNS), list(earlier or ()), [])
     _, earlier_rows, earlier_comments = earlier
     rows = list({_row_id(r): r for r in rows}.values())  # one row per key: the last measured
     new_ids = {_row_id(r) for r in rows}
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(tuning.COLUMNS), lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=list(tuned.COLUMNS), lineterminator="\n")
     comments: dict[int, list[str]] = {}
     for place, line in earlier_comments:
         comments.setdefault(place, []).append(line)
@@ -346,7 +343,7 @@ def main(args) -> int:
         settings.fail(f"{settings.PROG} bench", problem)
     earlier = existing_rows(args.tune_path)  # before any work: never time, then refuse to write
     if arms.real:
-        gfx = tuning.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
+        gfx = tuned.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
     else:
         gfx = REFERENCE_GFX
     sweep = Sweep()
