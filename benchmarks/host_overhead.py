@@ -155,7 +155,7 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     import torch
 
     from vllm_flydsl_indexer.router import FlyDSLRouter
-    from vllm_flydsl_indexer.target import DEFINING_MODULE
+    from vllm_flydsl_indexer.target import TARGET_MODULE
     from vllm_flydsl_indexer.tools.arms import Workspace, mirror_hooks, reference_arms, stock_call
     from vllm_flydsl_indexer.tools.arms import reference_variant as contract_variant
     from vllm_flydsl_indexer.tools.reference import GENERAL
@@ -170,16 +170,16 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     router = FlyDSLRouter(
         stock, contract_variant(GENERAL), mirror_hooks(workspace), logging.getLogger("bench")
     )
-    router.call_from(DEFINING_MODULE, *taken_args)
-    router.call_from(DEFINING_MODULE, *bound_args)
+    router.call_from(TARGET_MODULE, *taken_args)
+    router.call_from(TARGET_MODULE, *bound_args)
     assert router.calls_taken == 1 and list(router.self_tests.values()) == [None], router.self_tests
     kernels["gluon"] = _noop
     router.variant = dataclasses.replace(router.variant, fn=_noop)
     arms = {
         "stock (taken shape)": lambda: stock(*taken_args),
-        "patched, taken": lambda: router.call_from(DEFINING_MODULE, *taken_args),
+        "patched, taken": lambda: router.call_from(TARGET_MODULE, *taken_args),
         "stock (stock-bound shape)": lambda: stock(*bound_args),
-        "patched, stock-bound": lambda: router.call_from(DEFINING_MODULE, *bound_args),
+        "patched, stock-bound": lambda: router.call_from(TARGET_MODULE, *bound_args),
     }
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return _checked(arms, router), f"standalone (no vLLM) on {where} tensors, torch {torch.__version__}"

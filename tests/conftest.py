@@ -23,7 +23,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer.kernels import identify
+from vllm_flydsl_indexer.kernels import identify_flydsl
+from vllm_flydsl_indexer.envs import get_logger
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import StockHooks
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
@@ -196,7 +197,7 @@ def plugin_log():
     """Records the plugin's log lines (vLLM's logger does not propagate to root)."""
     import logging
 
-    from vllm_flydsl_indexer.envs import LOGGER_NAME, _seen
+    from vllm_flydsl_indexer.envs import LOGGER_NAME
 
     records: list[logging.LogRecord] = []
 
@@ -209,20 +210,17 @@ def plugin_log():
     old_level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.DEBUG)
-    forget_once(_seen)
+    forget_once()
     yield records
     logger.removeHandler(handler)
     logger.setLevel(old_level)
-    forget_once(_seen)
+    forget_once()
 
 
-def forget_once(seen: set) -> None:
-    """Forget what was logged once: the plugin's fallback set and vLLM's ``*_once`` caches."""
-    seen.clear()
-    try:
-        import vllm.logger as vllm_logger
-    except ImportError:
-        return
+def forget_once() -> None:
+    """Forget what was logged once: vLLM's ``*_once`` caches."""
+    import vllm.logger as vllm_logger
+
     for name in ("debug", "info", "warning", "error"):
         cached = getattr(vllm_logger, f"_print_{name}_once", None)
         if cached is not None:
@@ -231,7 +229,8 @@ def forget_once(seen: set) -> None:
 
 # The router on its own (no vLLM): what tests that build a router by hand share.
 
-LOGGER = logging.getLogger("vllm.plugins.flydsl_indexer")
+# vLLM's logger for the plugin, as register() gets it (its info_once/warning_once/error_once included).
+LOGGER = get_logger()
 
 
 class Recorder:
@@ -256,7 +255,7 @@ def general_variant(fn=None):
     """The general (PR #4221) variant, identified from its double; ``fn`` replaces the launch target."""
     from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits as general
 
-    variant = identify(general.flydsl_fp8_paged_mqa_logits, general)
+    variant = identify_flydsl(general.flydsl_fp8_paged_mqa_logits, general, "general double")
     assert variant.name == "general", variant
     return variant if fn is None else dataclasses.replace(variant, fn=fn)
 

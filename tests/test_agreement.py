@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from conftest import import_call_site
 from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
@@ -30,7 +30,7 @@ def poison_workspace(rows: int, max_model_len: int) -> None:
     buf.fill_(float("nan"))
 
 
-def call(fn, problem, compress_ratio, caller=DEFINING_MODULE):
+def call(fn, problem, compress_ratio, caller=TARGET_MODULE):
     """``fn`` on ``problem``, called from code living in module ``caller`` (as that call site does)."""
     rows = problem.batch * problem.next_n
     poison_workspace(rows, problem.max_model_len)
@@ -40,7 +40,7 @@ def call(fn, problem, compress_ratio, caller=DEFINING_MODULE):
 
 
 # Call sites whose next_n > 1 calls may be taken, written out here (not read from the audit).
-MULTI_ROW_CALLERS = {DEFINING_MODULE, "vllm.models.deepseek_v41.amd.ops.sparse_indexer"}
+MULTI_ROW_CALLERS = {TARGET_MODULE, "vllm.models.deepseek_v41.amd.ops.sparse_indexer"}
 # The call sites this vLLM has (0.32.0 lacks some), then one module that is not a call site.
 CALLERS = [c for c in sorted(CALL_SITES) if import_call_site(c) is not None] + [
     "vllm.model_executor.layers.sparse_attn_indexer"
@@ -73,7 +73,7 @@ def problems(draw):
         )
     )
     per_row = draw(st.sampled_from([True, True, True, False]))
-    caller = draw(st.sampled_from(CALLERS + [DEFINING_MODULE] * 3))
+    caller = draw(st.sampled_from(CALLERS + [TARGET_MODULE] * 3))
     seed = draw(st.integers(0, 2**31 - 1))
     return dict(
         next_n=next_n,

@@ -18,7 +18,7 @@ import torch
 from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import DEFINING_MODULE, multi_row_objection
+from vllm_flydsl_indexer.target import TARGET_MODULE, multi_row_objection
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
@@ -97,7 +97,7 @@ def test_glm5next_kpool_mtp_stays_stock_and_every_read_column_matches(
     assert result.nan_free and result.ok(0), result.describe()
 
 
-@pytest.mark.parametrize("caller", [DEFINING_MODULE, DSV41])
+@pytest.mark.parametrize("caller", [TARGET_MODULE, DSV41])
 @pytest.mark.parametrize("heads", [64, 32])
 def test_audited_native_mtp_is_taken(target, workspace, installed, aiter_calls, caller, heads):
     """DeepSeek-V3.2 (64 heads) and GLM-5.x/V4.1 (32) native MTP with compress_ratio 1: FlyDSL."""
@@ -155,19 +155,19 @@ def test_first_taken_line_names_configuration_and_caller(
 ):
     p = make_paged_problem([90, 33], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
     args = p.call_args()
-    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    site = call_site_in(importlib.import_module(TARGET_MODULE))
     for _ in range(3):
         site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
     assert taken == [
         "vllm-flydsl-indexer: FlyDSL taken for heads=64 head_dim=128 KVBlockSize=64 next_n=2 "
-        f"(caller {DEFINING_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; "
+        f"(caller {TARGET_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; "
         "the kernel's default launch; self-test passed)"
     ]
 
 
 def test_audit_table_names_every_caller_and_refuses_multi_row_from_glm5next():
-    assert set(CALL_SITES) == {DEFINING_MODULE, DSV41, GLM5NEXT}
-    assert multi_row_objection(DEFINING_MODULE) is None and multi_row_objection(DSV41) is None
+    assert set(CALL_SITES) == {TARGET_MODULE, DSV41, GLM5NEXT}
+    assert multi_row_objection(TARGET_MODULE) is None and multi_row_objection(DSV41) is None
     assert "pool-granular" in multi_row_objection(GLM5NEXT)
     assert "not audited (unknown)" in multi_row_objection(None)

@@ -247,7 +247,7 @@ MUTATIONS = {
     ),
     "unknown caller trusted with next_n > 1": (
         "    if caller not in MULTI_ROW:\n",
-        "    caller = caller or DEFINING_MODULE\n    if caller not in MULTI_ROW:\n",
+        "    caller = caller or TARGET_MODULE\n    if caller not in MULTI_ROW:\n",
         "bounds and callers",
     ),
     "next_n 1 taken with (B, 2) bounds": (

@@ -21,7 +21,7 @@ from test_kernel_variants import SYNC_OPS, SyncAudit
 from vllm_flydsl_indexer import envs, kernels, patch, selftest
 from vllm_flydsl_indexer import kernels as identification
 from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools.models import HEADS, eligible_configs
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
@@ -152,10 +152,10 @@ def test_the_launch_passes_its_own_automatic_split_kv_explicitly_and_reads_nothi
         router = FlyDSLRouter(
             Recorder(), variant, hooks(buffer=buffer), logging.getLogger("t"), self_test=False
         )
-        router.call_from(DEFINING_MODULE, *p.call_args())  # first call: compile, announce
+        router.call_from(TARGET_MODULE, *p.call_args())  # first call: compile, announce
         audit = SyncAudit()
         with audit:
-            router.call_from(DEFINING_MODULE, *p.call_args())
+            router.call_from(TARGET_MODULE, *p.call_args())
         assert router.calls_taken == 2
         assert not SYNC_OPS & set(audit.ops), audit.ops
         (route,) = [r for r in router._routes.values() if r.config]
@@ -226,7 +226,7 @@ def early_installed(target, workspace, aiter_as, monkeypatch, fresh_register, pl
     return installed
 
 
-@pytest.mark.parametrize("caller", [DEFINING_MODULE, DEEPSEEK_V41_SITE])
+@pytest.mark.parametrize("caller", [TARGET_MODULE, DEEPSEEK_V41_SITE])
 def test_deepseek_v32_and_glm5_take_flydsl_at_kvb64_and_every_read_column_equals_stock(
     target, early_installed, aiter_calls, plugin_log, caller
 ):
@@ -260,7 +260,7 @@ def test_deepseek_v32_and_glm5_take_flydsl_at_kvb64_and_every_read_column_equals
 
 def test_outside_its_contract_nothing_reaches_it(target, early_installed, aiter_calls, plugin_log):
     """next_n 3, a strided q, a strided (block-outer) cache, MTP from the kpool caller: stock, no error."""
-    defining = call_site_in(importlib.import_module(DEFINING_MODULE))
+    defining = call_site_in(importlib.import_module(TARGET_MODULE))
     cases = []
     p = _problem(4, 64, 64, 3, seed=31)  # a native (B, 3) table: above this kernel's next_n 2
     cases.append(("next_n=3", defining, p.call_args(), p))

@@ -116,7 +116,7 @@ def test_a_taken_call_runs_through_three_plugin_modules(target, workspace, insta
 
     import torch
 
-    from vllm_flydsl_indexer.target import DEFINING_MODULE
+    from vllm_flydsl_indexer.target import TARGET_MODULE
     from vllm_flydsl_indexer.tools.paths import call_site_in
     from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
@@ -130,7 +130,7 @@ def test_a_taken_call_runs_through_three_plugin_modules(target, workspace, insta
         generator=torch.Generator().manual_seed(38),
     )
     args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
-    call = call_site_in(importlib.import_module(DEFINING_MODULE))
+    call = call_site_in(importlib.import_module(TARGET_MODULE))
     call(target.rocm_fp8_paged_mqa_logits, args, {})  # the shape's first call: its self-test, then FlyDSL
     taken = installed.router.calls_taken
     assert taken == 1, installed.router.failed

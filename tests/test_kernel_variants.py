@@ -29,7 +29,7 @@ from vllm_flydsl_indexer import kernels as identification
 from vllm_flydsl_indexer import router as router_module
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools.models import eligible_configs
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
@@ -266,7 +266,7 @@ def test_each_variant_takes_exactly_its_shapes_and_agrees(
     assert installed is not None, [r.getMessage() for r in plugin_log]
     name = "dispatcher" if dispatcher else variant
     assert installed.router.variant.name == name
-    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    site = call_site_in(importlib.import_module(TARGET_MODULE))
     batches = (3, 64) if dispatcher else (3,)
     tested = set()
     for batch in batches:
@@ -320,10 +320,10 @@ def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
 
     buffer = torch.full((6, p.max_model_len), float("nan"))
     router = FlyDSLRouter(Recorder(), variant, hooks(buffer=buffer), ADAPTER_LOG, self_test=False)
-    router.call_from(DEFINING_MODULE, *args)  # first call: compile, announce
+    router.call_from(TARGET_MODULE, *args)  # first call: compile, announce
     audit = SyncAudit()
     with audit:
-        router.call_from(DEFINING_MODULE, *args)
+        router.call_from(TARGET_MODULE, *args)
     assert router.calls_taken == 2
     assert not SYNC_OPS & set(audit.ops), audit.ops
     # The audit sees the host read that an automatic SplitKV would do (the bug the launch avoids).
@@ -373,7 +373,7 @@ def test_a_raising_kernel_never_reaches_vllm(
     router.self_test = False
     real_fn = router.variant.fn
     router.variant = dataclasses.replace(router.variant, fn=raising)
-    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    site = call_site_in(importlib.import_module(TARGET_MODULE))
     p = make_paged_problem([150, 9], next_n=2, heads=64, head_dim=128, block_size=64, preshuffle=True)
     args = p.call_args()
     poison_workspace(4, p.max_model_len)
@@ -419,9 +419,9 @@ def test_memoised_route_is_keyed_on_compress_ratio():
     original = Recorder()
     router = router_for(original, hooks_=hooks())
     args = p.call_args()
-    router.call_from(DEFINING_MODULE, *args, compress_ratio=1)
+    router.call_from(TARGET_MODULE, *args, compress_ratio=1)
     assert router.calls_taken == 1
-    assert router.call_from(DEFINING_MODULE, *args, compress_ratio=2) is original.marker
+    assert router.call_from(TARGET_MODULE, *args, compress_ratio=2) is original.marker
     assert router.calls_taken == 1 and len(original.calls) == 1
 
 
@@ -480,7 +480,7 @@ def test_padded_q_gfx950_revision_keeps_stock_with_one_warning_and_no_call(
     assert not gate["ok"] and "takes q padded to next_n 8" in gate["detail"]
     assert "not supported, stock path kept" in doctor.render(data)
     # The shapes the gfx950 kernel would take go to stock; nothing calls the padded kernel.
-    site = call_site_in(importlib.import_module(DEFINING_MODULE))
+    site = call_site_in(importlib.import_module(TARGET_MODULE))
     for next_n in (1, 2):
         p = make_paged_problem(
             [150, 9, 77], next_n=next_n, heads=32, head_dim=128, block_size=64, preshuffle=True

@@ -15,7 +15,7 @@ import torch
 
 from conftest import Recorder, as_args, base_problem, router_for
 from vllm_flydsl_indexer import envs, kernels
-from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools import doctor
 
 
@@ -31,7 +31,7 @@ def test_block_outer_cache_stays_stock_and_the_log_says_why(plugin_log):
     p = base_problem()
     original = Recorder()
     router = router_for(original)
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     view = block_outer_layer_view(p)
     assert view.shape == p.kv_cache.shape and torch.equal(view, p.kv_cache)
     for _ in range(3):

@@ -21,7 +21,7 @@ from vllm_flydsl_indexer import envs
 from vllm_flydsl_indexer.envs import MODEL_STOCK_LINE
 from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE
 from vllm_flydsl_indexer.target import (
-    DEFINING_MODULE,
+    TARGET_MODULE,
     FP8_SETTING,
     MXFP4_DEFAULT_FUNCTION,
     mxfp4_reason,
@@ -256,7 +256,7 @@ def test_pinned_ratios_block_sizes_and_heads_match_vllm():
     assert reach.MODELS["deepseek_v41"].block_sizes == tuple(64 // r for r in (1, 2))
     assert reach.MODELS["deepseek_v41"].compress_ratios == (1, 2)
     for model_type in ("deepseek_v32", "glm_moe_dsa", "deepseek_v41"):
-        assert reach.MODELS[model_type].call_site == DEFINING_MODULE
+        assert reach.MODELS[model_type].call_site == TARGET_MODULE
     for model_type in ("deepseek_v32", "glm_moe_dsa"):
         assert reach.MODELS[model_type].compress_ratios == (1,)
 
@@ -409,7 +409,7 @@ def test_readme_model_table_agrees_with_doctor(model_type):
     for ratio in re.findall(r"`compress_ratio` (\d+)", reaches):
         assert int(ratio) in data["compress_ratio"], (model_type, ratio)
     named = {
-        s.function if s.module == DEFINING_MODULE else s.module.removeprefix("vllm.models."): s.module
+        s.function if s.module == TARGET_MODULE else s.module.removeprefix("vllm.models."): s.module
         for s in CALL_SITES.values()
     }
     for words, module in named.items():

@@ -23,7 +23,7 @@ from conftest import (
 )
 from vllm_flydsl_indexer.kernels import KernelVariant
 from vllm_flydsl_indexer.router import FlyDSLRouter, call_facts
-from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
 
@@ -78,7 +78,7 @@ def test_contract_violations_go_to_stock_unchanged(name):
         return flydsl_double()(*a, **k)
 
     router = router_for(original, kernel)
-    out = router.call_from(DEFINING_MODULE, *args, compress_ratio=1)
+    out = router.call_from(TARGET_MODULE, *args, compress_ratio=1)
     assert out is original.marker
     assert kernel_calls == []
     ((called_args, called_kwargs),) = original.calls
@@ -91,7 +91,7 @@ def test_valid_call_is_taken_and_matches_the_flydsl_contract():
     p = base_problem()
     original = Recorder()
     router = router_for(original)
-    out = router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1)
+    out = router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1)
     assert original.calls == [] and router.calls_taken == 1
     expected = torch.full_like(out, float("nan"))
     fp8_paged_mqa_logits_reference(
@@ -113,7 +113,7 @@ def test_window_and_route_rules(dcp, ratio, gluon):
     p = base_problem()
     original = Recorder()
     router = router_for(original, hooks_=hooks(dcp=dcp, gluon=gluon))
-    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=ratio) is original.marker
+    assert router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=ratio) is original.marker
 
 
 @pytest.mark.parametrize("block_size,preshuffle", [(64, True), (1, False)])
@@ -128,11 +128,11 @@ def test_flydsl_is_launched_with_stocks_preshuffle_or_not_at_all(block_size, pre
 
     original = Recorder()
     router = router_for(original, kernel, hooks_=hooks(preshuffle=lambda bs: bs > 1))
-    router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1)
+    router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1)
     assert launched == [preshuffle] and original.calls == []
     flipped = Recorder()
     router = router_for(flipped, kernel, hooks_=hooks(preshuffle=lambda bs: not bs > 1))
-    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is flipped.marker
+    assert router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1) is flipped.marker
     assert launched == [preshuffle] and router.calls_taken == 0
 
 
@@ -183,7 +183,7 @@ def test_hot_path_audit_no_sync_no_logits_pass_no_allocation(next_n, per_row):
 
     router = router_for(Recorder(), kernel, hooks(buffer=workspace))
     with audit:
-        out = router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1)
+        out = router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1)
     assert out is workspace and seen_by_kernel["out"] is workspace
     assert seen_by_kernel["kw"] == {"Preshuffle": True, "KVBlockSize": 64}
     names = [name for name, _ in audit.ops]
@@ -223,7 +223,7 @@ def test_no_first_time_compile_inside_capture(plugin_log):
         return flydsl_double()(*a, **k)
 
     router = router_for(original, kernel, is_capturing=capturing)
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     capturing.value = True
     assert call(*as_args(p), compress_ratio=1) is original.marker  # not compiled yet: stock
     assert compiled_during_capture == []
@@ -247,7 +247,7 @@ def test_memoised_verdict_still_checks_contiguity_live():
     original = Recorder()
     launches = []
     router = router_for(original, fn=lambda *a, **k: launches.append(a[1].is_contiguous()))
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     call(*as_args(p), compress_ratio=1)
     assert router.calls_taken == 1
     # Same shape and dtype, but a strided view: must not reuse the earlier verdict (nor reach the
@@ -279,12 +279,12 @@ def test_the_caller_is_part_of_the_memoised_verdict():
     p = base_problem()
     original = Recorder()
     router = router_for(original)
-    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is not original.marker
+    assert router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1) is not original.marker
     assert router.calls_taken == 1 and original.calls == []
     for caller in (kpool, "vllm.model_executor.layers.some_future_indexer", None):
         assert router.call_from(caller, *as_args(p), compress_ratio=1) is original.marker, caller
     assert router.calls_taken == 1 and len(original.calls) == 3
-    assert router.call_from(DEFINING_MODULE, *as_args(p), compress_ratio=1) is not original.marker
+    assert router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1) is not original.marker
     assert router.calls_taken == 2
 
 
@@ -306,7 +306,7 @@ def test_transposed_weights_cost_only_that_call(plugin_log):
         return flydsl_double()(*a, **k)
 
     router = router_for(original, kernel)
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     assert call(*as_args(p), compress_ratio=1) is not original.marker
     assert call(*as_args(p, weights=_transposed(p.weights)), compress_ratio=1) is original.marker
     assert kernel_calls == [True]
@@ -346,7 +346,7 @@ def test_argument_error_rejects_only_that_call_signature(error, plugin_log):
     kernel, calls = _kernel_raising(error, 3)
     original = Recorder()
     router = router_for(original, kernel)
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     three, four = _problem(3, 11), _problem(4, 12)
     assert call(*as_args(three), compress_ratio=1) is original.marker
     assert call(*as_args(three), compress_ratio=1) is original.marker  # memoised: not launched again
@@ -362,7 +362,7 @@ def test_kernel_fault_disables_the_configuration(plugin_log):
     kernel, calls = _kernel_raising(RuntimeError("HIP launch failure"), 3)
     original = Recorder()
     router = router_for(original, kernel)
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     assert call(*as_args(_problem(3, 21)), compress_ratio=1) is original.marker
     assert call(*as_args(_problem(4, 22)), compress_ratio=1) is original.marker
     assert calls == [3] and len(router.failed) == 1 and router.calls_taken == 0
@@ -379,7 +379,7 @@ def test_an_exception_in_the_routers_own_work_returns_stock(plugin_log):
     broken = _LaunchKwargsRaise(**{f.name: getattr(variant, f.name) for f in dataclasses.fields(variant)})
     original = Recorder()
     router = FlyDSLRouter(original, broken, hooks(), LOGGER)
-    call = functools.partial(router.call_from, DEFINING_MODULE)
+    call = functools.partial(router.call_from, TARGET_MODULE)
     three = _problem(3, 31)
     assert call(*as_args(three), compress_ratio=1) is original.marker
     ((args, kwargs),) = original.calls

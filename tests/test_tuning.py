@@ -14,7 +14,7 @@ import torch
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer import envs, patch, tuning
 from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
-from vllm_flydsl_indexer.target import DEFINING_MODULE
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools import doctor
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
@@ -275,7 +275,7 @@ def run_problem(target, installed, calls, p) -> list[str]:
     poison_workspace(rows, p.max_model_len)
     calls.clear()
     tested = len(installed.router.self_tests)
-    out = call_site_in(importlib.import_module(DEFINING_MODULE))(target.rocm_fp8_paged_mqa_logits, args, {})
+    out = call_site_in(importlib.import_module(TARGET_MODULE))(target.rocm_fp8_paged_mqa_logits, args, {})
     result = compare_in_windows(stock, out, read_window_ends(p.context_lens, rows, next_n), topk=64)
     assert result.nan_free and result.ok(0), result.describe()
     if len(installed.router.self_tests) > tested:
@@ -332,10 +332,10 @@ def test_the_table_adds_no_op_to_the_hot_path():
     for name, table in (("none", None), ("tuned", parse(row(batch=1, next_n=2)))):
         router = router_for(Recorder(), hooks_=hooks(buffer=torch.full((6, p.max_model_len), float("nan"))))
         router.table = table
-        router.call_from(DEFINING_MODULE, *as_args(p))
+        router.call_from(TARGET_MODULE, *as_args(p))
         audit = OpAudit()
         with audit:
-            router.call_from(DEFINING_MODULE, *as_args(p))
+            router.call_from(TARGET_MODULE, *as_args(p))
         assert router.calls_taken == 2
         ops[name] = [n for n, _ in audit.ops]
     assert ops["tuned"] == ops["none"]

@@ -262,7 +262,7 @@ class FlyDSLRouter:
         reason = self.failed.get(shape) or objection(self, args, compress_ratio, caller, dcp)
         if reason is not None:
             route = Route(reason)
-            self.logger.info_once("%s %s", STOCK_CALL_LINE, reason)
+            self.logger.info_once("%s %s", STOCK_CALL_LINE, reason, scope="process")
         else:
             pick = self.pick(q, kv)
             cus = cu_count(q.device)
@@ -287,7 +287,7 @@ class FlyDSLRouter:
                 "capturing, so this graph keeps the stock path. vLLM runs eager warm-up steps before it "
                 "captures, so this is unexpected: report it with your vLLM version and compilation config"
             )
-            self.logger.warning_once("%s %s", STOCK_CALL_LINE, line)
+            self.logger.warning_once("%s %s", STOCK_CALL_LINE, line, scope="process")
             return None
         if untested:
             problem = self._self_test(route, args, compress_ratio)
@@ -345,7 +345,7 @@ class FlyDSLRouter:
                 f"{type(e).__name__}: {e} ({_stack_versions()}). Calls of this signature use the stock path "
                 "until vLLM restarts; the rest of this shape is unaffected."
             )
-            self.logger.error_once("%s %s", HEAD, line)
+            self.logger.error_once("%s %s", HEAD, line, scope="process")
             return None
         except Exception as e:  # noqa: BLE001 - a kernel that fails sends its shape to stock
             self._shape_failed(route.shape, f"raised {type(e).__name__}: {e}")
@@ -359,7 +359,9 @@ class FlyDSLRouter:
             )
             table = f"; per shape: {self.table.name}" if self.table is not None else ""
             where = f"caller {route.caller or 'unknown'}; {self.variant.location}{table}{tested}"
-            self.logger.info_once("%s FlyDSL taken for %s (%s)", HEAD, describe(route.shape), where)
+            self.logger.info_once(
+                "%s FlyDSL taken for %s (%s)", HEAD, describe(route.shape), where, scope="process"
+            )
         self.calls_taken += 1
         return out
 
@@ -371,7 +373,9 @@ class FlyDSLRouter:
         except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
             if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
                 self.routes[key] = Route(f"the router {problem}")
-            self.logger.error_once("%s the router %s. It uses the stock path.", HEAD, problem)
+            self.logger.error_once(
+                "%s the router %s. It uses the stock path.", HEAD, problem, scope="process"
+            )
             return
         self._shape_failed(shape, problem)
 
