@@ -10,7 +10,8 @@ no host sync, and the same during CUDA/HIP graph capture as outside it.
 only the call stock sends to aiter's Gluon; a layer-contiguous cache; the found API's exact contract;
 written columns equal read columns, per caller; stock's ``Preshuffle``; with aiter's dispatcher, only its
 FlyDSL picks; a measured table's per-shape choice. None reads vLLM's modules (stock's questions go to the
-hooks resolved at start-up), so the verdict is memoised on the call's signature (:func:`memo_key`). A stock
+hooks resolved at start-up), so the verdict is memoised on the call's signature (its shapes, the cache's
+contiguity, ``max_model_len``, ``compress_ratio`` and the caller). A stock
 verdict is reused as it is; a FlyDSL verdict is launched only while the call's other facts
 (:func:`call_facts`) are the ones it was decided on.
 
@@ -53,12 +54,6 @@ MAX_MEMOISED_VERDICTS = 4096
 # (``assert``, ``raise ValueError``/``TypeError``): they reject that call signature only.
 ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
 STAYS_STOCK = "This call and every later call of this shape use the stock path until vLLM restarts"
-
-
-def memo_key(q, kv, lens, max_model_len: int, compress_ratio: int, caller: str | None) -> tuple:
-    """What the verdict is memoised on: q's, the cache's and the bounds' shapes, the cache's contiguity,
-    ``max_model_len``, ``compress_ratio`` and the caller."""
-    return (q.shape, kv.shape, kv.is_contiguous(), lens.shape, max_model_len, compress_ratio, caller)
 
 
 def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
@@ -194,7 +189,12 @@ class FlyDSLRouter:
         """Route one call made from module ``caller`` (``None``: unknown)."""
         key = None
         try:
-            key = memo_key(q_fp8, kv_cache_fp8, context_lens, max_model_len, compress_ratio, caller)
+            # The memo key: q's, the cache's and the bounds' shapes, the cache's contiguity, max_model_len,
+            # compress_ratio and the caller.
+            key = (
+                q_fp8.shape, kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), context_lens.shape,
+                max_model_len, compress_ratio, caller,
+            )  # fmt: skip
             route = self.routes.get(key)
             # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
             if route is None or route.reason is None:
@@ -207,7 +207,13 @@ class FlyDSLRouter:
                     schedule_metadata,
                     max_model_len,
                 )
-                out = self._flydsl_or_none(key, route, args, compress_ratio, caller)
+                facts = call_facts(
+                    q_fp8, kv_cache_fp8, weights, context_lens, block_tables, self.hooks.dcp_world_size()
+                )
+                if route is not None and route.ready and route.facts == facts:  # the warm FlyDSL path
+                    out = self._launch(route, args)
+                else:
+                    out = self._flydsl_or_none(key, route, args, facts, compress_ratio, caller)
                 if out is not None:
                     return out
         except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
@@ -238,22 +244,22 @@ class FlyDSLRouter:
         return table.choice(cus, batch, next_n, heads, head_dim, kv.shape[1])
 
     def _flydsl_or_none(
-        self, key, route: Route | None, args: tuple, compress_ratio: int, caller
+        self, key: tuple, route: Route | None, args: tuple, facts: tuple, compress_ratio: int, caller
     ) -> torch.Tensor | None:
-        """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's."""
-        q, kv, w, lens, bt = args[:5]
+        """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's. A FlyDSL
+        verdict decided on other facts than this call's is looked up, or decided, under key and facts."""
+        if route is not None and route.facts != facts:
+            key = (key, facts)
+            route = self.routes.get(key)
         if route is None:
-            route = self._memoise(key, args, compress_ratio, caller)  # decided on this call's facts
-        elif call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size()) != route.facts:
-            key = (key, call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size()))
-            route = self.routes.get(key) or self._memoise(key, args, compress_ratio, caller)
+            route = self._memoise(key, args, compress_ratio, caller, facts)
         if route.reason is not None:
             return None
         if route.ready:
             return self._launch(route, args)
         return self._first_calls(route, args, compress_ratio)
 
-    def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller) -> Route:
+    def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller, facts: tuple = ()) -> Route:
         """The rules' verdict on a new call signature, kept while the memo has room. A shape that failed
         stays stock without asking anything again."""
         q, kv, w, lens, bt, _, max_model_len = args
@@ -270,7 +276,7 @@ class FlyDSLRouter:
                 q.shape[0], kv.shape[1], max_model_len, cus, pick[2] if pick else 0
             )
             bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
-            route = Route(None, shape, caller, kwargs, call_facts(q, kv, w, lens, bt, dcp), bounds)
+            route = Route(None, shape, caller, kwargs, facts or call_facts(q, kv, w, lens, bt, dcp), bounds)
         if len(self.routes) < MAX_MEMOISED_VERDICTS:
             self.routes[key] = route
         return route
@@ -330,10 +336,12 @@ class FlyDSLRouter:
 
     def _launch(self, route: Route, args: tuple) -> torch.Tensor | None:
         """FlyDSL into the logits buffer taken exactly as stock takes it; ``None`` for stock's."""
-        q = args[0]
-        out = self.hooks.output_buffer(q.shape[0] * q.shape[1], args[6])
+        q, kv, w, lens, bt, _, max_model_len = args
+        out = self.hooks.output_buffer(q.shape[0] * q.shape[1], max_model_len)
         try:
-            self._flydsl(self.variant.fn, route.kwargs, args, out)
+            self.variant.fn(
+                q, kv, w, out, self.hooks.per_sequence_lens(lens), bt, max_model_len, **route.kwargs
+            )
         except ARGUMENT_ERRORS as e:
             # The wrapper's argument check refused this call: only its signature's route stays stock.
             route.reason, route.ready = (
