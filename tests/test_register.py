@@ -8,6 +8,7 @@ import inspect
 import logging
 import os
 import random
+from pathlib import Path
 
 import pytest
 
@@ -52,18 +53,29 @@ def test_active_under_gfx950_simulation_logs_one_line(target, original, installe
 
 
 def test_register_reads_vllms_target_once(target, original, monkeypatch, fresh_register, plugin_log):
-    """The target gate's audit (vLLM's source read and parsed) and hooks are what the install uses."""
+    """vLLM's target source is read and parsed once per process (issue 43): the target gate's
+    fingerprint, and the hooks it resolved are what the install uses. A later evaluation (doctor in the
+    same process) reads nothing again."""
+    import ast
+
     from vllm_flydsl_indexer import target as target_module
 
-    audited = []
-    audit = target_module.audit
-    monkeypatch.setattr(target_module, "audit", lambda fn: audited.append(fn) or audit(fn))
+    source = original.__code__.co_filename
+    reads, parsed = [], []
+    read_capped, parse = target_module.read_capped, ast.parse
+    monkeypatch.setattr(
+        target_module, "read_capped", lambda path, *a: reads.append(path) or read_capped(path, *a)
+    )
+    monkeypatch.setattr(ast, "parse", lambda *a, **k: parsed.append(1) or parse(*a, **k))
+    target_module.fingerprint.cache_clear()  # as in a fresh process
     monkeypatch.setenv(envs.SWITCH, "1")
     fresh_register()
     installed = patch.installed()
     assert installed is not None, lines(plugin_log)
-    assert audited == [original]
+    assert reads == [source] and len(parsed) == 1, (reads, parsed)
     assert installed.router.hooks.per_sequence_lens is target._per_sequence_context_lens
+    assert gates.evaluate(full=True).gates == gates.evaluate().gates
+    assert reads == [source] and len(parsed) == 1, (reads, parsed)
 
 
 def test_register_twice_wraps_once(target, original, monkeypatch, fresh_register, plugin_log):
@@ -74,7 +86,7 @@ def test_register_twice_wraps_once(target, original, monkeypatch, fresh_register
     assert vars(target)[TARGET] is first
     assert first.__wrapped__ is original
     # Even a second install (as a new register() in the same process would try) does not stack.
-    again = patch.install(target, lambda *a, **k: None, logging.getLogger("x"))
+    again = patch.install(target, lambda original: None)
     assert again.wrapper is first and first.__wrapped__ is original
     assert len(lines(plugin_log)) == 1
 
@@ -95,7 +107,6 @@ def test_deepseek_v41_module_binding_is_patched(target, original, monkeypatch, f
 
 
 def test_signature_is_preserved(target, installed):
-    import inspect
 
     assert inspect.signature(vars(target)[TARGET]) == inspect.signature(installed.original)
 
@@ -118,7 +129,7 @@ def test_switch_off_patches_nothing(target, original, monkeypatch, fresh_registe
 @pytest.mark.parametrize("value", ["1", "TRUE", "True", "true"])
 def test_switch_on_values(monkeypatch, value):
     monkeypatch.setenv(envs.SWITCH, value)
-    assert envs.read_flag(envs.SWITCH).enabled
+    assert envs.read_flag(envs.SWITCH) == (True, None)
 
 
 @pytest.mark.parametrize("value", ["yes", "2", "on", "enable"])
@@ -216,9 +227,9 @@ def test_kernel_probe_reports_non_import_errors(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "aiter_broken_probe", broken)
     monkeypatch.setattr(identification.importlib, "import_module", boom)
-    result = identification.find_kernel()
-    assert result.variant is None
-    assert "RuntimeError: flydsl 0.0.9 does not match aiter's pin" in result.reason
+    variant, reason = identification.find_kernel()
+    assert variant is None
+    assert "RuntimeError: flydsl 0.0.9 does not match aiter's pin" in reason
 
 
 def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
@@ -229,8 +240,8 @@ def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
 
     monkeypatch.setattr(fly, "flydsl_fp8_paged_mqa_logits", flydsl_fp8_paged_mqa_logits)
     monkeypatch.setattr(identification, "KERNEL_MODULES", ("aiter.ops.flydsl",))
-    result = identification.find_kernel()
-    assert result.variant is None and "lacks keyword-only Preshuffle, KVBlockSize" in result.reason
+    variant, reason = identification.find_kernel()
+    assert variant is None and "lacks keyword-only Preshuffle, KVBlockSize" in reason
 
 
 @pytest.mark.parametrize(
@@ -251,7 +262,7 @@ def test_kernel_without_keyword_only_knobs_is_refused(monkeypatch):
     ],
 )
 def test_version_window(version, allow, ok):
-    assert gates.check_version(version, allow).ok is ok
+    assert gates.check_version(version, allow)[1] is ok
 
 
 def test_override_lets_newer_vllm_through_but_signature_still_applies(
@@ -330,35 +341,6 @@ def test_vllm_that_declares_the_switch_routes_itself(
     assert "arm:      vLLM's own route (the plugin patches nothing)" in text
 
 
-def test_target_that_calls_flydsl_routes_itself(
-    target, original, fresh_register, monkeypatch, plugin_log, tmp_path
-):
-    import importlib.util
-
-    source = inspect.getsource(original).replace("paged_mqa_logits_module()", "flydsl_paged_mqa_logits()", 1)
-    assert "flydsl" in source.lower()
-    fake = tmp_path / "rocm_aiter_mla_sparse.py"
-    fake.write_text(source)
-    real = importlib.util.find_spec
-
-    def find_spec(name, *args):
-        if name == target.__name__:
-            return importlib.util.spec_from_file_location(name, fake)
-        return real(name, *args)
-
-    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
-    monkeypatch.setenv(envs.SWITCH, "1")
-    fresh_register()
-    assert_untouched(target, original)
-    assert lines(plugin_log) == [
-        "vllm-flydsl-indexer: vLLM routes the paged MQA logits itself "
-        f"({target.__name__}.{TARGET} already calls aiter's FlyDSL kernel); the plugin patches nothing"
-    ]
-    # Stock's own source does not: the plugin patches.
-    monkeypatch.setattr(importlib.util, "find_spec", real)
-    assert gates.in_tree_route() is None
-
-
 def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, original):
     monkeypatch.setenv(envs.SWITCH, "1")
 
@@ -372,44 +354,94 @@ def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, 
     assert len(msgs) == 1 and "unexpected RuntimeError during registration: boom" in msgs[0]
 
 
-def test_log_once_uses_vllms_once_methods_where_the_logger_is_vllms(plugin_log, monkeypatch):
-    from vllm_flydsl_indexer.envs import get_logger, log_once
+# What vllm.logger raises on import, other than ImportError, in a fresh process; each is caught.
+BROKEN_LOGGER = r"""
+import importlib.abc, json, logging, os, sys
+
+class Custom(Exception):
+    pass
+
+RAISE = {"RecursionError": RecursionError("maximum recursion depth exceeded"),
+         "SystemExit": SystemExit(3), "Custom": Custom("vllm.logger is broken")}
+
+class Broken(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm.logger":
+            raise RAISE[os.environ["RAISE"]]
+
+records = []
+class H(logging.Handler):
+    def emit(self, r): records.append((r.name, r.levelname, r.getMessage()))
+logging.getLogger("vllm.plugins.flydsl_indexer").addHandler(H())
+sys.meta_path.insert(0, Broken())
+import vllm_flydsl_indexer
+vllm_flydsl_indexer.register()
+vllm_flydsl_indexer.register()  # idempotent: nothing more
+print("RESULT" + json.dumps({
+    "records": records,
+    "plugin_modules": sorted(m for m in sys.modules if m.startswith("vllm_flydsl_indexer")),
+    "vllm_logger": "vllm.logger" in sys.modules,
+}))
+"""
+
+
+@pytest.mark.parametrize(
+    "raised,says",
+    [
+        ("RecursionError", "RecursionError: maximum recursion depth exceeded"),
+        ("SystemExit", "SystemExit: 3"),
+        ("Custom", "Custom: vllm.logger is broken"),
+    ],
+)
+@pytest.mark.slow_except("Custom-Custom: vllm.logger is broken")
+def test_register_never_raises_when_vllms_logger_is_broken(raised, says):
+    """Issue 45 item 18: importing vllm.logger raises something other than ImportError. register() returns,
+    logs one WARNING on the stdlib logger, and imports nothing that would touch vLLM."""
+    import json
+
+    import vllm_flydsl_indexer
+    from conftest import run_python, simulation_env
+
+    env = simulation_env(**{envs.SWITCH: "1", "RAISE": raised})
+    # The copy of the package this process tests, in the subprocess too.
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(vllm_flydsl_indexer.__file__).parents[1]), env["PYTHONPATH"]]
+    )
+    proc = run_python(BROKEN_LOGGER, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))[len("RESULT") :])
+    assert result["records"] == [
+        [
+            envs.LOGGER_NAME,
+            "WARNING",
+            f"vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: vllm.logger unusable: {says})",
+        ]
+    ]
+    assert result["plugin_modules"] == ["vllm_flydsl_indexer", "vllm_flydsl_indexer.envs"]
+    assert not result["vllm_logger"]
+
+
+def test_the_plugin_logs_through_vllms_logger():
+    """The runtime always runs under vLLM's logger (issue 43): its once-methods, its handler."""
+    import vllm.logger
+
+    from vllm_flydsl_indexer.envs import LOGGER_NAME, get_logger
 
     logger = get_logger()
-    used = []
-    vllm_info_once = vars(logger)["info_once"]
-    monkeypatch.setitem(vars(logger), "info_once", lambda *a, **k: used.append(k) or vllm_info_once(*a, **k))
-    text = f"once {random.random()}"
-    for _ in range(3):
-        log_once(logger, logging.INFO, "%s", text)
-    assert lines(plugin_log) == [text]
-    assert used == [{"scope": "process"}] * 3  # vLLM's method decides; one line per process
-
-
-def test_log_once_falls_back_without_vllms_logger():
-    from vllm_flydsl_indexer.envs import log_once
-
-    records = []
-    logger = logging.getLogger(f"plain.{random.random()}")
-    logger.propagate = False
-    logger.addHandler(type("H", (logging.Handler,), {"emit": lambda self, r: records.append(r)})())
-    text = f"once {random.random()}"
-    for _ in range(3):
-        log_once(logger, logging.WARNING, "%s", text)
-    assert [r.getMessage() for r in records] == [text]
+    assert logger is vllm.logger.init_logger(LOGGER_NAME) and logger.name == LOGGER_NAME
+    assert all(callable(getattr(logger, f"{level}_once", None)) for level in ("info", "warning", "error"))
 
 
 def test_an_active_line_that_carries_warnings_is_a_warning(target, monkeypatch, fresh_register, plugin_log):
     """ACTIVE, but a variable of the plugin did not parse: the caveat must show where INFO is dropped."""
     monkeypatch.setenv(envs.SWITCH, "1")
-    monkeypatch.setenv(envs.VERIFY, "yes")
+    monkeypatch.setenv(envs.SELFTEST, "yes")
     fresh_register()
     assert patch.installed() is not None
+    assert patch.installed().router.self_test is True  # the default, as the caveat says
     (line,) = lines(plugin_log)
     assert line.startswith("vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE"), line
-    assert line.endswith(
-        f"[{envs.VERIFY}='yes' is not one of 1/0/true/false (case-insensitive); treating it as 0]"
-    )
+    assert line.endswith(f"[{envs.SELFTEST}='yes' is not one of 1/0/true/false (any case); treating it as 1]")
     assert plugin_log[0].levelno == logging.WARNING
 
 
@@ -428,8 +460,8 @@ def test_the_gates_say_the_same_after_register_added_the_plugins_variables(
     fresh_register()
     assert patch.installed() is not None
     assert {envs.SWITCH, envs.SELFTEST} <= set(vllm.envs.environment_variables)
-    assert gates.in_tree_route() is None
     again = gates.evaluate(full=True)
     assert (again.active, again.in_tree, again.reason) == (True, False, "all gates passed")
-    assert [(g.name, g.ok) for g in again.gates] == [(g.name, g.ok) for g in first.gates]
+    assert ("in-tree", True, "vLLM does not route it itself") in again.gates
+    assert [g[:2] for g in again.gates] == [g[:2] for g in first.gates]
     assert doctor.report({envs.SWITCH: "1"})["arm"] == "flydsl"
