@@ -225,12 +225,12 @@ def _q_rows_contract(fn: Callable) -> str | None:
     try:
         source = inspect.getsource(fn)
     except (OSError, TypeError) as e:
-        return f"its source is unreadable ({e}), so its q contract cannot be told"
+        return f"source unreadable: {e}"
     if re.search(r"[!=]=\s*\(?\s*MAX_NN\b|\bMAX_NN\s*[!=]=", source):
         return "padded"
     if re.search(r"[<>]=?\s*MAX_NN\b|\bMAX_NN\s*[<>]", source):
         return None
-    return "its source has no range check of q's rows against MAX_NN, so its q contract cannot be told"
+    return "no range check of q's rows against MAX_NN in its source"
 
 
 def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> KernelVariant | str:
@@ -269,7 +269,9 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
     else:
         return "an API of an unknown shape (no next_n_lens, no ChunkK/WavePerEU/variant)"
     if unsupported is not None:
-        what = UNSUPPORTED.get(unsupported, f"a gfx950 kernel whose {unsupported}")
+        what = UNSUPPORTED.get(
+            unsupported, f"a gfx950 kernel whose q contract cannot be told ({unsupported})"
+        )
         return f"this aiter revision is not supported: {what} ({SUPPORTED}); the stock path is kept"
     (index_dim,), (max_nn,) = constants["INDEX_DIM"], constants["MAX_NN"]
     return KernelVariant(

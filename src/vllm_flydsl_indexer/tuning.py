@@ -60,7 +60,7 @@ def arch_of(gcn_arch: str) -> str:
 
 def usable_row(row: dict) -> tuple[str, tuple, int, str, int] | None:
     """``(gfx, shape key, batch, backend, wg_per_cu)`` of a row the lookup can use, else ``None``. The
-    tools' validator (``tools/table.py``) says why a row is not usable; this is only what the lookup reads."""
+    tools' validator (``tools/tuned.py``) says why a row is not usable; this is only what the lookup reads."""
     try:
         cells = {c: row[c].strip() for c in (*KEY_COLUMNS, "backend", "wg_per_cu")}
     except (KeyError, AttributeError):

@@ -11,11 +11,11 @@ wrongly shows. A case passes only when:
 
 * the arm the router took is the one the rules require;
 * the FlyDSL kernel did not raise (the router's exception net would hide it);
-* every column vLLM's consumers read agrees (:mod:`vllm_flydsl_indexer.agreement`);
+* every column vLLM's consumers read agrees (the agreement rule, :func:`vllm_flydsl_indexer.selftest.compare_in_windows`);
 * when FlyDSL ran, it wrote exactly the columns that are read.
 
 On reference arms these cases run as the reference contract of the FlyDSL API
-that :func:`~vllm_flydsl_indexer.identification.find_kernel` found (the general
+that :func:`~vllm_flydsl_indexer.kernels.find_kernel` found (the general
 one when none, or aiter's dispatcher, was found).
 
 Then the router-behaviour cases (:mod:`vllm_flydsl_indexer.tools.behaviour`),
@@ -23,8 +23,8 @@ each a fresh router over a few calls in order, once per FlyDSL API the plugin
 knows (the found one first), always on reference contracts shaped like that
 API: its limits, its SplitKV rule and launch knobs, bounds and callers, memo
 collisions, Preshuffle, the i32 pool limit, a tuned table, the
-verify-on-enable canary passing and catching wrong or unwritten columns, the
-per-configuration self-test, and a kernel that raises sent to stock for good.
+per-configuration self-test passing and catching wrong, unwritten or reordered
+columns, and a kernel that raises sent to stock for good.
 Last, a self-test of the agreement rule itself.
 
 The report reads: the scope, the found API, its cases, then the other APIs' cases.

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Every file the plugin reads (the tuned CSV, vLLM's target source): a regular file, size-capped.
+"""Every file the tools read (tuned CSVs, model configs, Ray's list): a regular file, size-capped.
 
 The open never blocks, so a FIFO never hangs start-up; anything but a regular file of at most
 :data:`MAX_READ_BYTES` (a FIFO, a device such as ``/dev/zero``, a directory, an oversized file)
