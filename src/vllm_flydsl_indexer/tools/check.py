@@ -11,7 +11,8 @@ wrongly shows. A case passes only when:
 
 * the arm the router took is the one the rules require;
 * the FlyDSL kernel did not raise (the router's exception net would hide it);
-* every column vLLM's consumers read agrees (the agreement rule, :func:`vllm_flydsl_indexer.selftest.compare_in_windows`);
+* every column vLLM's consumers read agrees (the agreement rule,
+  :func:`vllm_flydsl_indexer.selftest.compare_in_windows`);
 * when FlyDSL ran, it wrote exactly the columns that are read.
 
 On reference arms these cases run as the reference contract of the FlyDSL API
