@@ -17,7 +17,8 @@ import torch
 
 from conftest import call_site_or_skip
 from test_agreement import poison_workspace
-from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import read_window_ends
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.target import TARGET_MODULE, multi_row_objection
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
 from vllm_flydsl_indexer.tools.paths import call_site_in
@@ -161,8 +162,7 @@ def test_first_taken_line_names_configuration_and_caller(
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
     assert taken == [
         "vllm-flydsl-indexer: FlyDSL taken for heads=64 head_dim=128 KVBlockSize=64 next_n=2 "
-        f"(caller {TARGET_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; "
-        "the kernel's default launch; self-test passed)"
+        f"(caller {TARGET_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; self-test passed)"
     ]
 
 
