@@ -60,16 +60,22 @@ def register() -> None:
     _registered = True
     from vllm_flydsl_indexer.envs import LOGGER_NAME, STOCK_LINE, get_logger
 
+    # A plugin must never kill vLLM: whatever a probe raises (SystemExit, GeneratorExit, a custom class...)
+    # leaves vLLM as it was, with one line; only a real Ctrl-C goes on.
     try:
         logger = get_logger()
-    except (Exception, SystemExit) as e:  # noqa: BLE001 - vLLM's logger itself is broken: say so, go stock
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001 - vLLM's logger itself is broken: say so, go stock
         logging.getLogger(LOGGER_NAME).warning(
             "%s vllm.logger unusable: %s: %s)", STOCK_LINE, type(e).__name__, e
         )
         return
     try:
         _register(logger)
-    except Exception as e:  # noqa: BLE001 - a plugin must never kill vLLM
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:  # noqa: BLE001
         logger.warning("%s unexpected %s during registration: %s)", STOCK_LINE, type(e).__name__, e)
 
 
