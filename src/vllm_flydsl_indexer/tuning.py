@@ -116,9 +116,8 @@ def parse(text: str, gfx: str, name: str, origin: str = "env") -> TunedTable | s
     """The table in CSV ``text`` for ``gfx``, or why it has none usable. Never raises."""
     table, total = TunedTable(name, gfx, origin), 0
     try:
-        lines = (
-            line if not line.lstrip().startswith(COMMENT) else "\n" for line in io.StringIO(text, newline="")
-        )
+        # Dropped, not blanked: a blank line before the header would be read as an empty header.
+        lines = (line for line in io.StringIO(text, newline="") if not line.lstrip().startswith(COMMENT))
         reader = csv.DictReader(lines)
         missing = [c for c in (*KEY_COLUMNS, "backend", "wg_per_cu") if c not in (reader.fieldnames or ())]
         if missing:
