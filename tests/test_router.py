@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The router on its own (no vLLM): contract violations, hot-path audit, JIT rule."""
+"""The router on its own (no vLLM): contract violations, hot-path audit, JIT rule, each field of the memo
+key and of the call facts, one log line per shape."""
 
 from __future__ import annotations
 
@@ -21,10 +22,13 @@ from conftest import (
     hooks,
     router_for,
 )
-from vllm_flydsl_indexer.kernels import KernelVariant
-from vllm_flydsl_indexer.router import FlyDSLRouter, call_facts
+from vllm_flydsl_indexer import router as router_module
+from vllm_flydsl_indexer.envs import STOCK_CALL_LINE
+from vllm_flydsl_indexer.kernels import KernelVariant, identify_flydsl
+from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
+from vllm_flydsl_indexer.tuning import TunedTable
 
 
 def _violations():
@@ -391,18 +395,235 @@ def test_an_exception_in_the_routers_own_work_returns_stock(plugin_log):
     assert len(errors) == 1 and "ZeroDivisionError" in errors[0] and "planted" in errors[0]
 
 
-def test_the_device_is_part_of_what_a_flydsl_verdict_is_checked_against():
-    """A FlyDSL verdict decided on one device is not launched on another (the CU count, aiter's
-    per-GPU choices): the device is one of the call's facts."""
+# ---------------------------------------------------------------- issue 43: each field of the key and facts
+#
+# The verdict is memoised on memo_key (q's, the cache's and the bounds' shapes, the cache's contiguity,
+# max_model_len, compress_ratio, the caller) and a FlyDSL verdict is launched only while call_facts (DCP,
+# the dtypes, the weights' and block tables' shapes, q's and the weights' contiguity, the device) are the
+# ones it was decided on. Each test below calls ONE router twice with only one field changed, and the two
+# calls must get different verdicts: a key or facts without that field hands the second call the first
+# call's verdict, and the test fails. The kernel is a recorder that checks nothing, so no argument check of
+# a double hides a launch the router should not have made.
+
+
+def _recording_router(variant=None, **kw):
+    """A router over ``variant`` (the general double's by default) whose kernel only records its knobs."""
+    launches: list[dict] = []
+
+    def kernel(q, kv, w, out, lens, bt, max_model_len, **knobs):
+        launches.append(knobs)
+        return out
+
+    variant = dataclasses.replace(variant or general_variant(), fn=kernel)
+    kw.setdefault("self_test", False)
+    hooks_ = kw.pop("hooks_", None) or hooks()
+    return FlyDSLRouter(Recorder(), variant, hooks_, LOGGER, **kw), launches
+
+
+def _kpool_caller() -> str:
+    from vllm_flydsl_indexer.tools.audit import CALL_SITES
+
+    return next(m for m, site in CALL_SITES.items() if not site.multi_row)
+
+
+def _key_cases():
+    """Per memo-key field: (the base call with only that field changed, compress_ratio, caller). The base
+    call (base_problem: next_n 2, 64 heads, KVB 64, per-row bounds, ratio 1, the defining module) is
+    taken; each changed call is stock."""
     p = base_problem()
-    args = as_args(p)
+    kv = p.kv_cache
+    wide = torch.randint(0, 256, (kv.shape[0], 64, 1, 2 * 132), dtype=torch.uint8)
+    return {
+        "q shape": (as_args(p, q_fp8=p.q_fp8[..., :96].contiguous()), 1, TARGET_MODULE),
+        "kv shape": (as_args(p, kv_cache_fp8=kv.view(kv.shape[0] * 8, 8, 1, 132)), 1, TARGET_MODULE),
+        "kv contiguity": (as_args(p, kv_cache_fp8=wide[..., :132]), 1, TARGET_MODULE),
+        "bounds shape": (as_args(p, context_lens=p.context_lens[:, -1:].contiguous()), 1, TARGET_MODULE),
+        "compress_ratio": (as_args(p), 2, TARGET_MODULE),
+        "caller": (as_args(p), 1, "kpool"),
+    }, as_args(p)
 
-    class OnDevice:
-        def __init__(self, tensor, index):
-            self.tensor, self.device = tensor, torch.device("cuda", index)
 
-        def __getattr__(self, name):
-            return getattr(self.tensor, name)
+KEY_CASES, KEY_BASE = _key_cases()
 
-    facts = {call_facts((OnDevice(p.q_fp8, i), *args[1:]), 1) for i in (0, 1)}
-    assert len(facts) == 2
+
+@pytest.mark.parametrize("order", ["stock first", "taken first"])
+@pytest.mark.parametrize("field", list(KEY_CASES))
+def test_each_memo_key_field_alone_changes_the_verdict(field, order):
+    changed, ratio, caller = KEY_CASES[field]
+    caller = _kpool_caller() if caller == "kpool" else caller
+    router, launches = _recording_router()
+    original = router.original
+    base = (TARGET_MODULE, *KEY_BASE)
+    other = (caller, *changed)
+    if field == "kv contiguity":
+        assert changed[1].shape == KEY_BASE[1].shape and not changed[1].is_contiguous()
+    calls = [(base, 1, True), (other, ratio, False)]
+    for args, compress_ratio, taken in calls if order == "taken first" else calls[::-1]:
+        launched = len(launches)
+        out = router.call_from(*args, compress_ratio=compress_ratio)
+        assert (out is not original.marker) == taken, (field, order, router.routes)
+        assert len(launches) == launched + taken, (field, order)
+    assert router.calls_taken == 1 and router.calls_delegated == 1 and len(router.routes) == 2
+
+
+def test_max_model_len_alone_changes_the_launch():
+    """max_model_len decides no rule, but it decides the gfx950 launch's SplitKV (pages of the longest
+    sequence): a route memoised without it would launch the other call's SplitKV."""
+    router, launches = _recording_router(gfx950_variant())
+    p = make_paged_problem(
+        [40], next_n=1, heads=32, head_dim=128, block_size=64, preshuffle=True, per_row_bounds=False,
+        max_model_len=64, generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    # One CU (the CPU): SplitKV = max(1, min(pages, ceil(1 * 3 / batch 1))): 1 page at 64, 3 at 256.
+    for max_model_len, split in ((64, 1), (256, 3), (64, 1)):
+        router.call_from(TARGET_MODULE, *as_args(p, max_model_len=max_model_len))
+        assert launches[-1]["SplitKV"] == split, (max_model_len, launches)
+    assert router.calls_taken == 3 and len(router.routes) == 2
+
+
+def _fact_cases():
+    """Per call fact: the base call with only that fact changed, which must stay stock after the base call
+    was taken at the same memo key."""
+    p = base_problem()
+    q, kv, w, lens, bt = p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables
+    return {
+        "q dtype": as_args(p, q_fp8=q.float().to(torch.float8_e4m3fnuz)),
+        "kv dtype": as_args(p, kv_cache_fp8=kv.view(torch.int8)),
+        "weights dtype": as_args(p, weights=w.to(torch.bfloat16)),
+        "lens dtype": as_args(p, context_lens=lens.long()),
+        "block_tables dtype": as_args(p, block_tables=bt.long()),
+        "weights shape": as_args(p, weights=w[:-1]),
+        "block_tables shape": as_args(p, block_tables=bt[:-1]),
+        "weights contiguity": as_args(p, weights=_transposed(w)),
+    }, as_args(p)
+
+
+FACT_CASES, FACT_BASE = _fact_cases()
+
+
+def _key_fields(args: tuple) -> tuple:
+    """What the memo key holds of the tensors: q's, the cache's and the bounds' shapes, the cache's
+    contiguity, max_model_len."""
+    q, kv, _, lens, _, _, max_model_len = args
+    return q.shape, kv.shape, kv.is_contiguous(), lens.shape, max_model_len
+
+
+@pytest.mark.parametrize("field", ["dcp", *FACT_CASES])
+def test_each_call_fact_alone_sends_a_memoised_flydsl_key_to_stock(field):
+    dcp = [1]
+    router, launches = _recording_router(hooks_=dataclasses.replace(hooks(), dcp_world_size=lambda: dcp[0]))
+    original = router.original
+    assert router.call_from(TARGET_MODULE, *FACT_BASE) is not original.marker and len(launches) == 1
+    if field == "dcp":
+        dcp[0], changed = 2, FACT_BASE
+    else:
+        changed = FACT_CASES[field]
+    # Only the facts differ: the memo key's fields are the base call's.
+    assert _key_fields(changed) == _key_fields(FACT_BASE)
+    assert router.call_from(TARGET_MODULE, *changed) is original.marker, field
+    assert len(launches) == 1 and router.calls_taken == 1 and router.calls_delegated == 1
+
+
+def gfx950_variant() -> KernelVariant:
+    import importlib
+
+    module = importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950")
+    variant = identify_flydsl(module.flydsl_fp8_paged_mqa_logits, module, "gfx950 double")
+    assert isinstance(variant, KernelVariant) and variant.name == "gfx950", variant
+    return variant
+
+
+def test_a_strided_q_after_a_contiguous_one_at_the_same_key_stays_stock_on_gfx950():
+    """aiter's gfx950 wrapper needs a contiguous q (q's contiguity is a call fact, not in the memo key):
+    a strided q of the same shape after a taken contiguous one must not reuse the FlyDSL verdict."""
+    router, launches = _recording_router(gfx950_variant())
+    p = make_paged_problem(
+        [130, 5, 64], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True,
+        generator=torch.Generator().manual_seed(6),
+    )  # fmt: skip
+    wide = torch.zeros((*p.q_fp8.shape[:3], 256), dtype=torch.float8_e4m3fn)
+    wide[..., :128] = p.q_fp8
+    strided = wide[..., :128]
+    assert strided.shape == p.q_fp8.shape and not strided.is_contiguous()
+    assert router.call_from(TARGET_MODULE, *as_args(p)) is not router.original.marker
+    assert router.call_from(TARGET_MODULE, *as_args(p, q_fp8=strided)) is router.original.marker
+    assert len(launches) == 1 and router.calls_taken == 1
+    # The general kernel reads q at its strides: the same strided q is taken there.
+    general, general_launches = _recording_router()
+    g = base_problem()
+    wide = torch.zeros((*g.q_fp8.shape[:3], 256), dtype=torch.float8_e4m3fn)
+    wide[..., :128] = g.q_fp8
+    general.call_from(TARGET_MODULE, *as_args(g))
+    assert general.call_from(TARGET_MODULE, *as_args(g, q_fp8=wide[..., :128])) is not general.original.marker
+    assert len(general_launches) == 2
+
+
+class _OnDevice:
+    """q as if on GPU ``index`` (the router reads its device, never its data here)."""
+
+    def __init__(self, tensor, index):
+        self.tensor, self.device = tensor, torch.device("cuda", index)
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+
+def test_the_device_alone_sends_a_memoised_flydsl_key_to_stock(monkeypatch):
+    """A verdict decided on one GPU is not launched on another: its CU count picks the table's row.
+    Here GPU 0 (256 CUs) measured FlyDSL faster for the shape and GPU 1 (80 CUs) stock."""
+    monkeypatch.setattr(router_module, "cu_count", lambda device: {0: 256, 1: 80}[device.index])
+    p = base_problem()  # batch 3, next_n 2, 64 heads, head_dim 128, KVB 64
+    shape = (2, 64, 128, 64)
+    table = TunedTable(
+        "t.csv", "gfx950", shapes={(256, *shape): {1: [("flydsl", 0)]}, (80, *shape): {1: [("gluon", 0)]}}
+    )
+    router, launches = _recording_router(table=table)
+    first = as_args(p, q_fp8=_OnDevice(p.q_fp8, 0))
+    assert router.call_from(TARGET_MODULE, *first) is not router.original.marker
+    assert router.call_from(TARGET_MODULE, *as_args(p, q_fp8=_OnDevice(p.q_fp8, 1))) is router.original.marker
+    assert len(launches) == 1 and router.calls_taken == 1
+    assert router.call_from(TARGET_MODULE, *first) is not router.original.marker and len(launches) == 2
+
+
+# ---------------------------------------------------------------- issue 43: one INFO line per shape
+
+
+def _batches(n: int, **kw):
+    """The first 1..n sequences of one problem: the calls of one shape at every batch size."""
+    p = make_paged_problem(
+        torch.randint(2, 200, (n,), generator=torch.Generator().manual_seed(8)).tolist(), next_n=2,
+        heads=64, head_dim=128, block_size=64, preshuffle=True, generator=torch.Generator().manual_seed(9),
+    )  # fmt: skip
+    for batch in range(1, n + 1):
+        yield as_args(
+            p, q_fp8=p.q_fp8[:batch], weights=p.weights[: 2 * batch], context_lens=p.context_lens[:batch],
+            block_tables=p.block_tables[:batch], **kw,
+        )  # fmt: skip
+
+
+def test_the_stock_line_is_logged_at_info_once_per_shape_not_per_batch(plugin_log):
+    """Batches 1..64 of one stock shape (a strided, block-outer cache; then compress_ratio 2 at next_n 2)
+    give one INFO line each, not 64."""
+    router, launches = _recording_router()
+    stock = router.original.marker
+    for q, kv, *rest in _batches(64):
+        wide = torch.zeros((*kv.shape[:3], 2 * 132), dtype=torch.uint8)
+        wide[..., :132] = kv
+        assert router.call_from(TARGET_MODULE, q, wide[..., :132], *rest) is stock
+        assert router.call_from(TARGET_MODULE, q, kv, *rest, compress_ratio=2) is stock
+    assert launches == [] and router.calls_delegated == 128 and len(router.routes) == 128
+    lines = [r for r in plugin_log if STOCK_CALL_LINE in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO] * 2, [r.getMessage() for r in lines]
+    assert "kv_cache is strided" in lines[0].getMessage()
+    assert "next_n=2 with compress_ratio=2" in lines[1].getMessage()
+
+
+def test_the_taken_line_is_logged_at_info_once_per_shape_not_per_batch(plugin_log):
+    router, launches = _recording_router()
+    for args in _batches(64):
+        assert router.call_from(TARGET_MODULE, *args) is not router.original.marker
+    assert len(launches) == 64 and len(router.routes) == 64
+    lines = [r for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
+    assert [r.levelno for r in lines] == [logging.INFO], [r.getMessage() for r in lines]
+    assert "heads=64 head_dim=128 KVBlockSize=64 next_n=2" in lines[0].getMessage()
+    assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
