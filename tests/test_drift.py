@@ -4,7 +4,10 @@
 They parse vLLM's source with ``ast`` (and, where it is cheap, build a vLLM
 config), so a new vLLM release that changes a call site, the stock Gluon call,
 the consumers of the logits or the warm-up before graph capture fails here
-before it can make the plugin wrong.
+before it can make the plugin wrong. The installed target's fingerprint is its
+release's entry of ``target.AUDITED`` (CI runs this in a venv per release); the
+other releases' entries are recomputed from their wheels where
+``$FLYDSL_INDEXER_TEST_VLLM_WHEELS`` names a directory holding them.
 """
 
 from __future__ import annotations
@@ -46,6 +49,46 @@ def call_sites() -> list[tuple[Path, ast.Call]]:
                 if name == TARGET_NAME:
                     found.append((path, node))
     return found
+
+
+# A directory holding vLLM wheels, as ``pip download --no-deps -d DIR vllm==X`` leaves them (any depth).
+WHEELS = "FLYDSL_INDEXER_TEST_VLLM_WHEELS"
+TARGET_FILE = "/".join(TARGET_MODULE.split(".")) + ".py"
+
+
+def audited_releases() -> list[str]:
+    from vllm_flydsl_indexer.target import AUDITED
+
+    return sorted({release for release, _ in AUDITED.values()})
+
+
+def release_source(version: str) -> tuple[str, str]:
+    """The target module's source in vLLM ``version`` and where it came from: the installed file where
+    ``version`` is installed, else the release's wheel under ``$FLYDSL_INDEXER_TEST_VLLM_WHEELS``. Skips
+    with the reason otherwise (CI runs each release in its own venv, so each is pinned there)."""
+    import zipfile
+
+    installed = importlib.metadata.version("vllm")
+    if installed == version:
+        path = vllm_root().parent / TARGET_FILE
+        return path.read_text(), str(path)
+    directory = os.environ.get(WHEELS)
+    why = f"vLLM {version} is not installed (this venv has {installed})"
+    if not directory:
+        pytest.skip(
+            f"{why} and ${WHEELS} is unset (a directory where `pip download --no-deps -d DIR "
+            f"vllm=={version}` put its wheel); CI tests it in its own venv"
+        )
+    wheels = sorted(Path(directory).rglob(f"vllm-{version}-*.whl"))
+    if not wheels:
+        pytest.skip(f"{why} and ${WHEELS}={directory} holds no vllm-{version}-*.whl")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        return wheel.read(TARGET_FILE).decode(), f"{wheels[0]}!{TARGET_FILE}"
+
+
+def target_def(source: str) -> ast.FunctionDef:
+    """The target's ``def`` in a module's source."""
+    return function(ast.parse(source), TARGET_NAME)
 
 
 def release() -> tuple[int, int]:
@@ -99,58 +142,91 @@ def test_module_level_bindings_are_the_ones_the_patch_covers():
     assert set(module_level) | {TARGET_MODULE} <= bound
 
 
-def test_stock_gluon_call_is_the_one_the_adapter_mirrors():
-    """This release's target is its own entry of ``content.RELEASES``, and passes the start-up check.
+# What the audited releases' Gluon call passes (docs/vllm-audit.md). The fingerprint pins the rest; these
+# say, where a release differs, which part the hooks mirror.
+GLUON_ARGS = (
+    "q_fp8",
+    "kv_cache_fp8",
+    "weights",
+    "out_logits",
+    "_per_sequence_context_lens(context_lens)",
+    "block_tables",
+    "max_model_len",
+)
+GLUON_KNOBS = {"ChunkK": "256", "KVBlockSize": "block_size", "WavePerEU": "2"}
+# How each form of AUDITED passes Preshuffle (what target.vllm_stock_hooks' preshuffle answers).
+PRESHUFFLE = {
+    "size": "block_size > 1",
+    "layout": "indexer_k_cache_is_shuffled(block_size) and (not _ON_RDNA)",
+}
 
-    The audited expressions are written once, in :mod:`vllm_flydsl_indexer.content`; this pins which
-    release has which form, reading the release's own source.
-    """
-    from vllm_flydsl_indexer import target as content
 
-    fn = function(module_source(TARGET_MODULE), TARGET_NAME)
-    calls = [
+def installed_release() -> str:
+    """The installed vLLM's release, without a local or dev suffix (what AUDITED names)."""
+    return importlib.metadata.version("vllm").split("+")[0]
+
+
+def assert_audited_release(source: str, version: str, origin: str) -> None:
+    """``source`` (a target module's) fingerprints as vLLM ``version``'s entry of AUDITED, and the entry's
+    form is how its Gluon call passes Preshuffle."""
+    import tempfile
+
+    from vllm_flydsl_indexer.target import AUDITED, fingerprint
+
+    fn = target_def(source)
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory, "rocm_aiter_mla_sparse.py")
+        path.write_text(source)
+        found = AUDITED.get(fingerprint(str(path), fn.lineno))
+    assert found is not None and found[0] == version, f"{origin}: {found}"
+    (call,) = [
         n
         for n in ast.walk(fn)
-        if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == content.GLUON
+        if isinstance(n, ast.Call) and ast.unparse(n.func) == "deepgemm_fp8_paged_mqa_logits"
     ]
-    assert len(calls) == 1
-    (call,) = calls
-    assert tuple(ast.unparse(a) for a in call.args) == content.GLUON_ARGS
-    assert content.GLUON_ARGS[4] == "_per_sequence_context_lens(context_lens)"
-    kw = {k.arg: ast.unparse(k.value) for k in call.keywords}
-    # 0.34.0 asks the layout helper and turns Preshuffle off on RDNA (gfx950 is not RDNA).
-    audited = content.RELEASES[release()]
-    new = release() >= (0, 34)
-    assert audited.preshuffle == (content.PRESHUFFLE_BY_LAYOUT if new else content.PRESHUFFLE_BY_SIZE)
-    assert kw == {**content.GLUON_KNOBS, "Preshuffle": audited.preshuffle}
-    assert content.GLUON_KNOBS == {"ChunkK": "256", "KVBlockSize": "block_size", "WavePerEU": "2"}
-    src = ast.unparse(fn)
+    assert tuple(ast.unparse(a) for a in call.args) == GLUON_ARGS
+    knobs = {k.arg: ast.unparse(k.value) for k in call.keywords}
+    assert knobs == {**GLUON_KNOBS, "Preshuffle": PRESHUFFLE[found[1]]}, (version, knobs)
+
+
+def test_the_installed_target_is_its_release_in_the_audit(target):
+    """The installed vLLM's target is its own release's entry of AUDITED, with its form. CI installs each
+    audited release in its own venv, so this pins each there; the function this process imported is the
+    one the start-up gate fingerprints."""
+    from vllm_flydsl_indexer.target import AUDITED, fingerprint_of
+
+    version = installed_release()
+    fn = vars(target)[TARGET_NAME]
+    assert AUDITED.get(fingerprint_of(fn)) == (version, "layout" if release() >= (0, 34) else "size")
+    assert_audited_release(Path(fn.__code__.co_filename).read_text(), version, fn.__code__.co_filename)
+    src = ast.unparse(target_def(Path(fn.__code__.co_filename).read_text()))
     # The branch that reaches Gluon: gfx9 in 0.32/0.33; 0.34.0 adds RDNA but gfx1151.
-    branch = "_ON_GFX942 or _ON_GFX950" + (" or (_ON_RDNA and (not _ON_GFX1151))" if new else "")
-    assert audited.gluon_branch == branch
+    branch = "_ON_GFX942 or _ON_GFX950" + (
+        " or (_ON_RDNA and (not _ON_GFX1151))" if release() >= (0, 34) else ""
+    )
     assert f"if {branch}:" in src, branch
-    assert content.OUTPUT in src
-    assert f"if {content.C4A_GUARD}:" in src
-    assert f"if {content.AITER_ON}:" in src
     # No -inf fill or sanitize on the gfx9 Gluon branch: the plugin adds none either.
     gluon_branch = src[src.index("deepgemm_fp8_paged_mqa_logits = ") : src.index("return out_logits")]
     assert "fill_" not in gluon_branch and "nan_to_num" not in gluon_branch
-    # And the start-up check, on the function this process imported, finds this release's form.
-    import importlib
 
-    target = importlib.import_module(TARGET_MODULE)
-    assert content.audit(vars(target)[TARGET_NAME]) == audited.preshuffle
+
+@pytest.mark.parametrize("version", audited_releases())
+def test_each_audited_release_is_its_entry(version):
+    """Each release's own source (installed, or its wheel) fingerprints as its entry, with its form."""
+    source, origin = release_source(version)
+    assert_audited_release(source, version, origin)
 
 
 def test_every_release_in_the_window_has_an_audited_entry():
-    """The start-up check knows every minor release the version gate lets through, and only those."""
+    """The fingerprint knows one release of every minor the version gate lets through, and only those."""
     from vllm_flydsl_indexer import gates
-    from vllm_flydsl_indexer import target as content
+    from vllm_flydsl_indexer.target import AUDITED
 
     (low_major, low), (high_major, high) = gates.SUPPORTED_VLLM
     assert low_major == high_major
-    assert set(content.RELEASES) == {(low_major, minor) for minor in range(low, high + 1)}
-    assert release() in content.RELEASES
+    minors = [tuple(int(x) for x in version.split(".")[:2]) for version, _ in AUDITED.values()]
+    assert sorted(minors) == [(low_major, minor) for minor in range(low, high + 1)]
+    assert installed_release() in audited_releases()
 
 
 def test_decode_consumers_read_what_the_window_rule_assumes():
@@ -440,7 +516,7 @@ def test_which_indexer_caches_are_forced_block_outer():
     from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
-    from vllm_flydsl_indexer.kernels import BLOCK_OUTER_LAYOUTS
+    from vllm_flydsl_indexer.tools.doctor import BLOCK_OUTER_LAYOUTS
 
     assert {layout.name for layout in KVCacheLayout if not layout.is_layer_compact} == set(
         BLOCK_OUTER_LAYOUTS
@@ -489,18 +565,19 @@ def test_deepseek_v4_defaults_to_the_mxfp4_indexer_on_cdna4():
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 def test_hooks_preshuffle_is_what_stock_passes_gluon(target, monkeypatch, block_size):
     """The router launches FlyDSL with the layout vLLM's own Gluon call is told, release by release."""
-    from vllm_flydsl_indexer.target import vllm_stock_hooks
+    from vllm_flydsl_indexer.target import AUDITED, fingerprint_of, vllm_stock_hooks
 
     # The hooks resolve vLLM's names when they are built (at install): each change is made first.
-    hooks = vllm_stock_hooks(target)
+    _, form = AUDITED[fingerprint_of(vars(target)[TARGET_NAME])]
+    hooks = vllm_stock_hooks(target, form)
     assert hooks.preshuffle(block_size) is (block_size > 1)
     if release() >= (0, 34):
         assert target.indexer_k_cache_is_shuffled(block_size) is (block_size > 1)
         monkeypatch.setattr(target, "_ON_RDNA", True)  # stock's "and not _ON_RDNA"
-        assert vllm_stock_hooks(target).preshuffle(block_size) is False
+        assert vllm_stock_hooks(target, form).preshuffle(block_size) is False
         monkeypatch.setattr(target, "_ON_RDNA", False)
         monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs >= 32)
-        assert vllm_stock_hooks(target).preshuffle(block_size) is (block_size >= 32)
+        assert vllm_stock_hooks(target, form).preshuffle(block_size) is (block_size >= 32)
 
 
 def test_the_indexer_op_breaks_breakable_graphs_and_runs_eagerly():
