@@ -1,5 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The tuned table: aiter's CSV format, aiter's lookup, and what the router does with it."""
+"""The tuned table: aiter's CSV format, aiter's lookup, and what the router does with it.
+
+Two readers: the plugin's (``tuning``: lenient, as aiter's; a row the lookup cannot use is skipped with one
+WARNING per file, a file with no usable row falls to the next source) and the tools' validator
+(``tools/tuned.py``: every cell, with file, line and column; doctor lists each skipped row's reason and
+``bench --tune`` refuses to merge into a bad table).
+"""
 
 from __future__ import annotations
 
@@ -13,13 +19,16 @@ import torch
 
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer import envs, patch, tuning
-from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import read_window_ends
 from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools import doctor
+from vllm_flydsl_indexer.tools import tuned as validator
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 HEADER = ",".join(tuning.COLUMNS)
+LOGGER = logging.getLogger(envs.LOGGER_NAME)
 
 
 def row(gfx="gfx950", cu=1, batch=4, next_n=1, heads=32, kvb=64, ctx=4096, backend="flydsl", wg=0):
@@ -50,18 +59,30 @@ def table_text(*rows: str) -> str:
 
 
 def parse(*rows: str, gfx="gfx950") -> tuning.TunedTable:
-    return tuning.parse(io.StringIO(table_text(*rows)), "t.csv", gfx)
+    """The plugin's (lenient) reading of a table of ``rows``; it must have a usable row."""
+    table = tuning.parse(table_text(*rows), gfx, "t.csv")
+    assert isinstance(table, tuning.TunedTable), table
+    return table
+
+
+def usable(table: tuning.TunedTable) -> int:
+    """How many rows of ``table``'s GPU the lookup holds."""
+    return sum(len(rows) for buckets in table.shapes.values() for rows in buckets.values())
 
 
 def choice(table: tuning.TunedTable, *args: int) -> tuple[str, int] | None:
     """The table's (arm, bucket) for a call, as aiter's lookup gives it."""
     pick = table.choice(*args)
-    return None if pick is None else (pick.backend, pick.bucket)
+    return None if pick is None else pick[:2]
+
+
+def warnings_of(records) -> list[str]:
+    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
 def test_lookup_takes_the_largest_tuned_batch_at_or_below_the_call():
     t = parse(row(batch=4, backend="gluon"), row(batch=16), row(batch=64, backend="gluon"), row(gfx="gfx942"))
-    assert t.rows == 3
+    assert usable(t) == 3
     assert choice(t, 1, 3, 1, 32, 128, 64) is None  # below every tuned batch: not covered
     assert choice(t, 1, 4, 1, 32, 128, 64) == ("gluon", 4)
     assert choice(t, 1, 15, 1, 32, 128, 64) == ("gluon", 4)
@@ -84,7 +105,7 @@ def test_a_bucket_goes_to_flydsl_only_if_every_context_length_says_so():
 def test_aiters_own_table_lists_context_lengths_with_semicolons():
     """aiter PR #6140's shipped table writes ``8192;32768`` in context_len: the table stays usable."""
     t = parse(row(batch=64, ctx="8192;32768"), row(batch=16, ctx="8192;32768", backend="gluon"))
-    assert t.rows == 2
+    assert usable(t) == 2
     assert choice(t, 1, 64, 1, 32, 128, 64) == ("flydsl", 64)
     assert choice(t, 1, 32, 1, 32, 128, 64) == ("gluon", 16)
 
@@ -118,7 +139,7 @@ def shipped_like_rows() -> list[str]:
 
 def test_rows_above_next_n_2_are_parsed_and_decide_only_their_own_next_n():
     t = parse(*shipped_like_rows())
-    assert t.rows == 72 and len(t.shapes) == 8
+    assert usable(t) == 72 and len(t.shapes) == 8
     for next_n, flydsl in SHIPPED_FLYDSL.items():
         for batch in SHIPPED_BATCHES:
             expected = "flydsl" if batch in flydsl else "gluon"
@@ -140,7 +161,8 @@ def test_rows_above_next_n_2_never_decide_vllms_calls(target, tuned, aiter_calls
     assert run_batch(target, installed, aiter_calls, 3 * 4) == ["flydsl"]  # 3 draft tokens, flattened
     assert run_batch(target, installed, aiter_calls, 3, next_n=2) == ["flydsl"]  # native MTP
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
-    assert len(taken) == 2 and all("measured FlyDSL faster" in m for m in taken), taken
+    # One line per shape (next_n 1, next_n 2), naming the table that decides per batch.
+    assert len(taken) == 2 and all(f"per shape: {installed.router.table.name}" in m for m in taken), taken
     # A native (B, 3) table, which vLLM's ROCm indexer never builds, would use the next_n 3 row.
     assert run_batch(target, installed, aiter_calls, 3, next_n=3) == ["gluon"]
     assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
@@ -154,35 +176,102 @@ def cells(text: str, **values: object) -> str:
     return ",".join(fields)
 
 
+# Rows the plugin's lookup cannot use: each is skipped by the plugin and refused by the validator (with
+# the reason the validator gives it). Digits are ASCII only, as aiter's reader (issue 45 item 15): Python's
+# float() would read Arabic-Indic or fullwidth digits. A gfx with a zero-width or control character names
+# no GPU.
+UNUSABLE_ROWS = [
+    (row(batch="x"), "column batch_size: 'x' is not an integer"),
+    (row(batch="2.5"), "column batch_size: '2.5' is not an integer"),
+    (row(batch="\u0664"), "column batch_size: '\u0664' is not an integer"),  # Arabic-Indic 4
+    (row(batch="\uff14"), "column batch_size: '\uff14' is not an integer"),  # fullwidth 4
+    (row(batch="1\u0660"), "column batch_size: '1\u0660' is not an integer"),  # 1 and an Arabic-Indic 0
+    (row(batch=0), "column batch_size: 0 is not positive"),
+    (row(cu=-1), "column cu_num: -1 is not positive"),
+    (row(backend="triton"), "column backend: 'triton' is not flydsl or gluon"),
+    (cells(row(), gfx=" "), "column gfx: is empty"),
+    (cells(row(), gfx="gfx9\u200b50"), "column gfx: 'gfx9\\u200b50' is not letters and digits"),
+    (cells(row(), gfx="gfx950\u200b"), "column gfx: 'gfx950\\u200b' is not letters and digits"),
+    (cells(row(), gfx="gfx\x07950"), "column gfx: 'gfx\\x07950' is not letters and digits"),
+    (cells(row(), preshuffle="maybe"), "column preshuffle: 'maybe' is not 1/0/true/false"),
+    # A row no call can match: vLLM preshuffles exactly when KVBlockSize > 1.
+    (cells(row(), preshuffle=0), "column preshuffle: '0' with kv_block_size 64: no call can match this row"),
+    (
+        cells(row(kvb=1), preshuffle="true"),
+        "column preshuffle: 'true' with kv_block_size 1: no call can match this row",
+    ),
+    (cells(row(), wg_per_cu="abc"), "column wg_per_cu: 'abc' is not an integer"),
+    (cells(row(), wg_per_cu="-1"), "column wg_per_cu: -1 is not >= 0"),
+    (cells(row(), wg_per_cu="\uff12"), "column wg_per_cu: '\uff12' is not an integer"),
+    ("gfx950,1,2", "column next_n: is missing (the row is short)"),
+]
+UNUSABLE_IDS = [
+    "batch-x", "batch-2.5", "arabic-indic", "fullwidth", "mixed-digits", "batch-0", "cu-negative",
+    "backend", "gfx-empty", "gfx-zero-width", "gfx-zero-width-end", "gfx-control", "preshuffle-word",
+    "preshuffle-0-kvb-64", "preshuffle-1-kvb-1", "wg-word", "wg-negative", "wg-fullwidth", "short",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("bad", "reason"), UNUSABLE_ROWS, ids=UNUSABLE_IDS)
+def test_the_plugin_skips_a_row_its_lookup_cannot_use_and_keeps_the_rest(bad, reason):
+    table = parse(row(batch=1), bad, row(batch=8, backend="gluon"))
+    assert table.skipped == 1 and usable(table) == 2
+    assert choice(table, 1, 4, 1, 32, 128, 64) == ("flydsl", 1)
+    assert choice(table, 1, 8, 1, 32, 128, 64) == ("gluon", 8)
+    # Alone in its file, the row leaves no usable table: the reason says so (the next source is tried).
+    assert (
+        tuning.parse(table_text(bad), "gfx950", "t.csv")
+        == "t.csv: 1 rows, 1 unusable, none usable for gfx950"
+    )
+
+
+@pytest.mark.parametrize(("bad", "reason"), UNUSABLE_ROWS, ids=UNUSABLE_IDS)
+def test_the_validator_refuses_the_same_row_naming_line_and_column(bad, reason):
+    with pytest.raises(validator.TableError) as refused:
+        validator.read_table(io.StringIO(table_text(row(batch=1), bad)), "t.csv")
+    assert str(refused.value) == f"t.csv: line 3, {reason}" or str(refused.value).startswith(
+        f"t.csv: line 3, {reason}"
+    ), str(refused.value)
+    errors: list[str] = []
+    header, rows, _ = validator.read_table(
+        io.StringIO(table_text(row(batch=1), bad, row(batch=2))), "t.csv", errors
+    )
+    assert len(rows) == 2 and len(errors) == 1 and errors[0].startswith(f"t.csv: line 3, {reason}"), errors
+
+
+def test_the_plugin_reads_only_the_lookups_columns():
+    """Cells the lookup never reads (context_len, the other backend's knobs, the times) do not make a row
+    unusable to the plugin; the validator refuses them, and doctor says so."""
+    for bad in (
+        row(ctx="8192;x"),
+        cells(row(), us="fast"),
+        cells(row(), flydsl_us="inf"),
+        cells(row(), ChunkK="x"),
+    ):
+        table = parse(row(batch=1), bad)
+        assert table.skipped == 0 and usable(table) == 2, bad
+        with pytest.raises(validator.TableError):
+            validator.read_table(io.StringIO(table_text(bad)), "t.csv")
+
+
+def test_a_table_without_the_lookups_columns_is_no_table():
+    text = HEADER.replace(",wg_per_cu", "") + "\n" + row() + "\n"
+    assert tuning.parse(text, "gfx950", "t.csv") == "t.csv: missing column(s) wg_per_cu"
+    assert tuning.parse("", "gfx950", "t.csv").startswith("t.csv: missing column(s) gfx, cu_num, ")
+
+
 @pytest.mark.parametrize(
     "text,message",
     [
-        (HEADER.replace(",wg_per_cu", "") + "\n", "missing column(s) wg_per_cu"),
+        (HEADER.replace(",wg_per_cu", "") + "\n", "line 1: missing column(s) wg_per_cu"),
         (table_text(row(ctx="8192;x")), "line 2, column context_len: 'x' is not an integer"),
         (table_text(row(ctx=";")), "line 2, column context_len: is empty"),
         (table_text(row(ctx="0")), "line 2, column context_len: 0 is not positive"),
-        (table_text(row(), row(batch="x")), "line 3, column batch_size: 'x' is not an integer"),
-        (table_text(row(), row(batch="2.5")), "line 3, column batch_size: '2.5' is not an integer"),
-        (table_text(row(), row(backend="triton")), "line 3, column backend: 'triton' is not flydsl or gluon"),
-        (table_text(row(batch=0)), "line 2, column batch_size: 0 is not positive"),
-        (table_text(row(cu=-1)), "line 2, column cu_num: -1 is not positive"),
-        (table_text(cells(row(), gfx=" ")), "line 2, column gfx: is empty"),
         (
-            table_text(cells(row(), preshuffle="maybe")),
-            "line 2, column preshuffle: 'maybe' is not 1/0/true/false",
-        ),
-        # A row no call can match: vLLM preshuffles exactly when KVBlockSize > 1.
-        (
-            table_text(row(batch=1), cells(row(), preshuffle=0)),
-            "line 3, column preshuffle: '0' with kv_block_size 64: no call can match this row",
-        ),
-        (
-            table_text(cells(row(kvb=1), preshuffle="true")),
-            "line 2, column preshuffle: 'true' with kv_block_size 1: no call can match this row",
+            table_text(row(ctx="\u0664\u0660\u0669\u0666")),
+            "line 2, column context_len: '\u0664\u0660\u0669\u0666' is not",
         ),
         # Every knob and time column, not only the lookup key.
-        (table_text(cells(row(), wg_per_cu="abc")), "line 2, column wg_per_cu: 'abc' is not an integer"),
-        (table_text(cells(row(), wg_per_cu="-1")), "line 2, column wg_per_cu: -1 is not >= 0"),
         (table_text(cells(row(), ChunkK="x")), "line 2, column ChunkK: 'x' is not an integer"),
         (table_text(cells(row(), WavePerEU="")), "line 2, column WavePerEU: '' is not an integer"),
         (
@@ -194,34 +283,76 @@ def cells(text: str, **values: object) -> str:
         (table_text(cells(row(), gluon_us="nan")), "line 2, column gluon_us: 'nan' is not a finite"),
         (table_text(cells(row(), flydsl_us="inf")), "line 2, column flydsl_us: 'inf' is not a finite"),
         (table_text(cells(row(), flydsl_us="-1")), "line 2, column flydsl_us: '-1' is not a finite"),
-        # A row cut short, or one with a cell too many.
-        (table_text(row(), "gfx950,1,2"), "line 3, column next_n: is missing (the row is short)"),
+        # A row with a cell too many.
         (
             table_text(row() + ",7"),
             "line 2, after column flydsl_us: 1 more cell(s) than the header's 16 columns",
         ),
-        (HEADER + "\n", "no rows"),
-        (table_text(row(gfx="gfx942")), "valid, 1 row; none for gfx950"),
-        (table_text(row(gfx="gfx942"), row(gfx="gfx942", batch=8)), "valid, 2 rows; none for gfx950"),
     ],
 )
-def test_a_bad_table_is_refused_whole(text, message):
-    with pytest.raises(tuning.TableError) as refused:
-        tuning.parse(io.StringIO(text), "t.csv", "gfx950")
-    assert str(refused.value).startswith("t.csv: ") and message in str(refused.value)
+def test_the_validator_checks_every_cell(text, message):
+    with pytest.raises(validator.TableError) as refused:
+        validator.read_table(io.StringIO(text), "t.csv")
+    assert str(refused.value).startswith(f"t.csv: {message}"), str(refused.value)
 
 
-def test_load_warns_once_and_ignores_a_bad_or_missing_file(tmp_path, plugin_log):
-    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
-    bad = tmp_path / "bad.csv"
-    bad.write_text(table_text(row(), row(backend="nope")))
-    assert tuning.load(str(bad), "gfx950", logger) is None
-    assert tuning.load(str(tmp_path / "absent.csv"), "gfx950", logger) is None
-    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    assert len(warnings) == 2 and all(
-        w.startswith("vllm-flydsl-indexer: tuned table ignored: ") for w in warnings
+def test_the_validators_table_for_a_gpu_is_the_plugins():
+    """``tools.tuned.read`` (doctor's, bench --tune's): every row valid, then the plugin's lookup over them; a
+    file with no row for the GPU is refused with the plugin's words."""
+    assert validator.read_rows(io.StringIO(HEADER + "\n"), "t.csv") == []
+    with pytest.raises(validator.TableError, match=r"^t.csv: 0 rows, 0 unusable, none usable for gfx950$"):
+        validator.table_of([], "t.csv", "gfx950")
+    rows = validator.read_rows(
+        io.StringIO(table_text(row(gfx="gfx942"), row(gfx="gfx942", batch=8))), "t.csv"
     )
-    assert "line 3" in warnings[0] and "absent.csv" in warnings[1]
+    with pytest.raises(validator.TableError, match=r"^t.csv: 2 rows, 0 unusable, none usable for gfx950$"):
+        validator.table_of(rows, "t.csv", "gfx950")
+    table = validator.table_of(rows, "t.csv", "gfx942")
+    assert usable(table) == 2 and choice(table, 1, 9, 1, 32, 128, 64) == ("flydsl", 8)
+
+
+def test_load_warns_once_per_file_with_the_count_of_skipped_rows(tmp_path, monkeypatch, plugin_log):
+    bad = tmp_path / "bad.csv"
+    bad.write_text(table_text(row(), row(backend="nope"), row(batch="\u0668"), row(batch=8)))
+    monkeypatch.setenv(envs.TUNED_CSV, str(bad))
+    table, label = tuning.load("general", "gfx950", LOGGER)
+    assert table is not None and table.skipped == 2 and usable(table) == 2
+    assert label == f"tuned table {bad} ({envs.TUNED_CSV})"
+    assert warnings_of(plugin_log) == [
+        f"vllm-flydsl-indexer: 2 row(s) of {bad} skipped: the lookup cannot use them "
+        "(vllm-flydsl-indexer doctor names each row's reason)"
+    ]
+
+
+def test_a_file_with_no_usable_row_falls_to_the_next_source(tmp_path, monkeypatch, plugin_log):
+    """Each unusable source is one WARNING, and the next source decides: the built-in table where the
+    kernel is the one it was measured on, else no table (FlyDSL wherever eligible)."""
+    bad = tmp_path / "bad.csv"
+    bad.write_text(table_text(row(backend="nope"), row(gfx="gfx942")))
+    for path in (bad, tmp_path / "absent.csv", tmp_path):
+        monkeypatch.setenv(envs.TUNED_CSV, str(path))
+        plugin_log.clear()
+        table, label = tuning.load("gfx950", "gfx950", LOGGER)
+        assert table is not None and table.origin == "built-in" and label == tuning.BUILTIN_LABEL
+        (warning,) = warnings_of(plugin_log)
+        assert warning.startswith(f"vllm-flydsl-indexer: tuned table ignored: {path}: ") and warning.endswith(
+            "; trying the next source"
+        ), warning
+        plugin_log.clear()
+        table, label = tuning.load("general", "gfx950", LOGGER)
+        assert table is None and label.startswith("no measurement for the general FlyDSL kernel: ")
+        assert len(warnings_of(plugin_log)) == 1
+    assert "2 rows, 1 unusable, none usable for gfx950" in tuning.read(str(bad), "gfx950")
+    assert "FileNotFoundError" in tuning.read(str(tmp_path / "absent.csv"), "gfx950")
+    assert "is not a regular file" in tuning.read(str(tmp_path), "gfx950")
+
+
+def test_the_off_values_mean_no_table_and_no_warning(monkeypatch, plugin_log):
+    for value in tuning.OFF_VALUES + (" None ", "OFF"):
+        monkeypatch.setenv(envs.TUNED_CSV, value)
+        table, label = tuning.load("gfx950", "gfx950", LOGGER)
+        assert table is None and label.startswith("no tuned table ("), label
+    assert not warnings_of(plugin_log)
 
 
 @pytest.fixture
@@ -299,13 +430,14 @@ def test_the_table_decides_per_batch_bucket(target, tuned, aiter_calls, plugin_l
     # Another shape (64 heads) is not covered: the switch's meaning, FlyDSL.
     assert run_batch(target, installed, aiter_calls, 5, heads=64) == ["flydsl"]
     messages = [r.getMessage() for r in plugin_log]
-    assert any(
-        "stock path for this call: tuned table" in m and "batch >= 4 on gfx950 with 1 CUs measured stock" in m
-        for m in messages
-    ), messages
-    assert any(
-        "FlyDSL taken for" in m and "batch >= 8" in m and "measured FlyDSL faster" in m for m in messages
-    )
+    name = installed.router.table.name
+    stock = [m for m in messages if "stock path for this call" in m]
+    assert stock == [
+        f"vllm-flydsl-indexer: stock path for this call: {name} on gfx950 with 1 CUs measured stock (Gluon) "
+        "faster at some batch sizes of heads=32 head_dim=128 KVBlockSize=64 next_n=1"
+    ], stock  # one line per shape, not per batch
+    taken = [m for m in messages if "FlyDSL taken for" in m]
+    assert len(taken) == 3 and all(f"per shape: {name}" in m for m in taken), taken
 
 
 def test_a_table_for_another_cu_count_warns_once_and_is_ignored(target, tuned, aiter_calls, plugin_log):
@@ -316,11 +448,20 @@ def test_a_table_for_another_cu_count_warns_once_and_is_ignored(target, tuned, a
     assert len(warnings) == 1 and "none for this GPU's 1 CUs" in warnings[0]
 
 
-def test_a_malformed_table_leaves_the_switch_meaning(target, tuned, aiter_calls, plugin_log):
-    installed = tuned(row(batch=1, backend="gluon"), "gfx950,1,2")
+def test_a_bad_row_is_skipped_and_the_rest_of_the_table_decides(target, tuned, aiter_calls, plugin_log):
+    installed = tuned(row(batch=1, backend="gluon"), "gfx950,1,2", row(batch=2, backend="\u0441luon"))
+    assert installed.router.table is not None and installed.router.table.skipped == 2
+    assert run_batch(target, installed, aiter_calls, 3) == ["gluon"]
+    (warning,) = warnings_of(plugin_log)
+    assert warning.startswith("vllm-flydsl-indexer: 2 row(s) of ") and "vllm-flydsl-indexer doctor" in warning
+
+
+def test_a_table_with_no_usable_row_leaves_the_switch_meaning(target, tuned, aiter_calls, plugin_log):
+    installed = tuned("gfx950,1,2", row(batch=1, backend="gluon").replace("gfx950", "gfx950\u200b"))
     assert installed.router.table is None
     assert run_batch(target, installed, aiter_calls, 3) == ["flydsl"]
-    assert sum("tuned table ignored" in r.getMessage() for r in plugin_log) == 1
+    (warning,) = warnings_of(plugin_log)
+    assert "tuned table ignored" in warning and "2 rows, 2 unusable, none usable for gfx950" in warning
 
 
 def test_the_table_adds_no_op_to_the_hot_path():
@@ -369,14 +510,14 @@ def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsy
     assert "wrote 4 rows (REFERENCE timings, not kernel timings (gfx=reference))" in out and "kept 1" in out
     lines = path.read_text().splitlines()
     assert lines[0] == HEADER and lines[1] == earlier and len(lines) == 6
-    table = tuning.parse(io.StringIO(path.read_text()), str(path), "reference")
-    assert table.rows == 4 and table.cu_counts() == {1}
+    table = tuning.parse(path.read_text(), "reference", str(path))
+    assert usable(table) == 4 and table.cu_counts() == {1}
     for kvb in (64, 1):
         for batch in (1, 2):
             backend, bucket = choice(table, 1, batch, 1, 32, 128, kvb)
             assert bucket == batch and backend in ("flydsl", "gluon")
     # The gfx950 rows kept from before are untouched; no GPU arch ever matches the reference rows.
-    assert tuning.parse(io.StringIO(path.read_text()), str(path), "gfx950").rows == 1
+    assert usable(tuning.parse(path.read_text(), "gfx950", str(path))) == 1
 
 
 def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsys):
@@ -448,19 +589,30 @@ def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
 
 
 def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plugin_log, capsys):
-    """A row whose preshuffle disagrees with its kv_block_size, beside rows that match calls: the
-    loader, doctor and bench --tune each refuse the table with that row's line, and doctor never raises."""
+    """A row whose preshuffle disagrees with its kv_block_size, and one with an Arabic-Indic batch, beside
+    rows that match calls: the plugin skips them (one WARNING with the count), doctor names each one's line
+    and column, bench --tune refuses to merge into the table, and doctor never raises."""
     from vllm_flydsl_indexer.tools import cli, doctor, tune
 
     path = tmp_path / "tuned.csv"
-    path.write_text(table_text(row(cu=256, batch=1), row(cu=256, batch=64), cells(row(cu=256), preshuffle=0)))
+    bad = (cells(row(cu=256), preshuffle=0), row(cu=256, batch="\u0668"))
+    path.write_text(table_text(row(cu=256, batch=1), row(cu=256, batch=64), *bad))
     why = "line 4, column preshuffle: '0' with kv_block_size 64: no call can match this row"
-    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
-    assert tuning.load(str(path), "gfx950", logger) is None
-    assert why in plugin_log[-1].getMessage()
+    why_digit = "line 5, column batch_size: '\u0668' is not an integer"
+    monkeypatch.setenv(envs.TUNED_CSV, str(path))
+    table, _ = tuning.load("general", "gfx950", LOGGER)
+    assert table is not None and table.skipped == 2 and usable(table) == 2
+    (warning,) = warnings_of(plugin_log)
+    assert f"2 row(s) of {path} skipped" in warning and "vllm-flydsl-indexer doctor" in warning
+    problems = validator.row_problems(str(path))
+    assert len(problems) == 2 and problems[0].startswith(f"{path}: {why} (vLLM's calls are preshuffled")
+    assert problems[1] == f"{path}: {why_digit}"
     data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
-    assert why in data["tuned_table"]["note"] and "shapes" not in data["tuned_table"]
-    assert why in doctor.render(data)
+    assert data["tuned_table"]["skipped"] == problems
+    assert data["tuned_table"]["rows"] == 2 and data["tuned_table"]["note"] == "in use"
+    rendered = doctor.render(data)
+    assert f"  skipped by the plugin: {path}: {why}" in rendered
+    assert f"  skipped by the plugin: {path}: {why_digit}" in rendered
     monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
     with pytest.raises(SystemExit) as refused:
         cli.main(["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS])
@@ -478,10 +630,9 @@ def test_describe_reports_every_bucket_of_its_own_shape_and_never_raises():
         ],
         (1, False): [{"batch_at_least": 8, "arm": "flydsl", "wg_per_cu": 0}],
     }
-    # Built around the validator (no call can match the shape): reported as such, not an AssertionError.
-    table.shapes[(256, 1, 32, 128, 64, False)] = {4: [("flydsl", 0)]}
-    odd = [s for s in doctor.describe(table) if not s["preshuffle"] and s["kv_block_size"] == 64]
-    assert odd[0]["buckets"] == [{"batch_at_least": 4, "arm": "stock", "why": "no call matches"}]
+    # A bucket whose FlyDSL rows disagree on the knob is stock, as the router keeps it.
+    table = parse(row(cu=256, batch=2, ctx=4096, wg=2), row(cu=256, batch=2, ctx=65536, wg=4))
+    assert doctor.describe(table)[0]["buckets"] == [{"batch_at_least": 2, "arm": "stock", "wg_per_cu": 2}]
 
 
 # ---------------------------------------------------------------- the row's knob reaches the launch
@@ -506,13 +657,7 @@ def test_a_flydsl_rows_wg_per_cu_is_the_launchs_split_kv(target, tuned, aiter_as
     # The same rule, written out: the row's wg_per_cu, never the default, decides.
     assert kernels.explicit_split_kv(1, 1, 300, 64, 2) == 2 != kernels.explicit_split_kv(1, 1, 300, 64)
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
-    assert len(taken) == 3, taken
-    assert "batch >= 1 on gfx950 with 1 CUs measured FlyDSL faster; SplitKV from wg_per_cu=2" in taken[0]
-    assert "batch >= 4 on gfx950 with 1 CUs measured FlyDSL faster; SplitKV from wg_per_cu=8" in taken[1]
-    assert (
-        "batch >= 16 on gfx950 with 1 CUs measured FlyDSL faster; SplitKV from wg_per_cu=3 (default)"
-        in (taken[2])
-    )
+    assert len(taken) == 1 and f"per shape: {installed.router.table.name}" in taken[0], taken  # one per shape
 
 
 def test_a_kernel_that_cannot_take_the_rows_knob_keeps_those_calls_stock(
@@ -530,7 +675,7 @@ def test_a_kernel_that_cannot_take_the_rows_knob_keeps_those_calls_stock(
     assert len(reasons) == 1, reasons
     assert "measured FlyDSL with wg_per_cu=2, a SplitKV that the general FlyDSL kernel" in reasons[0]
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
-    assert len(taken) == 1 and "the kernel's default launch" in taken[0], taken
+    assert len(taken) == 1, taken
 
 
 def test_rows_of_one_bucket_that_disagree_on_the_knob_keep_it_stock(
@@ -547,10 +692,14 @@ def test_rows_of_one_bucket_that_disagree_on_the_knob_keep_it_stock(
 
 def test_aiters_comment_lines_are_skipped_and_line_numbers_stay_true():
     text = "\n".join([HEADER, "# tuned on node 7", row(batch=1), "  # another note", row(batch="x")]) + "\n"
-    with pytest.raises(tuning.TableError, match=r"t.csv: line 5, column batch_size"):
-        tuning.parse(io.StringIO(text), "t.csv", "gfx950")
-    ok = "\n".join([HEADER, "# a comment", row(batch=1)]) + "\n"
-    assert tuning.parse(io.StringIO(ok), "t.csv", "gfx950").rows == 1
+    with pytest.raises(validator.TableError, match=r"t.csv: line 5, column batch_size"):
+        validator.read_table(io.StringIO(text), "t.csv")
+    table = tuning.parse(
+        text, "gfx950", "t.csv"
+    )  # the plugin: the comments are not rows, the bad row skipped
+    assert usable(table) == 1 and table.skipped == 1
+    ok = "\n".join(["# first", HEADER, "# a comment", row(batch=1)]) + "\n"
+    assert usable(tuning.parse(ok, "gfx950", "t.csv")) == 1
 
 
 # ---------------------------------------------------------------- doctor and the loader survive any file
@@ -565,7 +714,7 @@ def _not_utf8(path):
 
 
 def _nul_bytes(path):
-    path.write_bytes((table_text(row()) + "gfx950,1\x00,2\n").encode())
+    path.write_bytes((table_text() + "gfx950,1\x00,2\n").encode())
 
 
 def _oversize_field(path):
@@ -609,14 +758,17 @@ def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plu
         monkeypatch.setattr(os, "open", refusing_open)
     data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
     note = data["tuned_table"]["note"]
-    assert note.startswith("IGNORED: ") and str(path) in note, note
-    assert "tuned table" in doctor.render(data)
-    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
-    source = tuning.table_source(str(path), data["kernel"]["variant"])
-    assert tuning.load_source(source, "gfx950", logger) is None
-    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
+    assert note.startswith(f"IGNORED: {path}: ") and note.endswith("; next source tried"), note
+    assert f"tuned table: {path}: IGNORED: " in doctor.render(data)
+    monkeypatch.setenv(envs.TUNED_CSV, str(path))
+    table, label = tuning.load(data["kernel"]["variant"], "gfx950", LOGGER)
+    assert table is None and label.startswith("no measurement for the general FlyDSL kernel")
+    warnings = warnings_of(plugin_log)
     assert len(warnings) == 1 and warnings[0].startswith("vllm-flydsl-indexer: tuned table ignored: ")
-    assert warnings[0].endswith(note.removeprefix("IGNORED: ")), (warnings, note)  # one reader, one text
+    why = note.removeprefix("IGNORED: ").removesuffix("; next source tried")
+    assert (
+        warnings[0] == f"vllm-flydsl-indexer: tuned table ignored: {why}; trying the next source"
+    )  # one reader
 
 
 # ---------------------------------------------------------------- bench --tune measures and writes the knob
@@ -677,8 +829,8 @@ def test_tune_sweeps_aiters_wg_per_cu_values_and_writes_the_winner(monkeypatch, 
         swept = {kernels.explicit_split_kv(1, batch, 131072, 64, w) for w in kernels.TUNER_WG_PER_CU}
         assert swept <= set(launched), (swept, launched)
     # The plugin reads the written row back with its knob.
-    table = tuning.parse(io.StringIO((tmp_path / "t.csv").read_text()), "t.csv", "reference")
-    assert table.choice(1, 4, 1, 32, 128, 64) == tuning.Pick("flydsl", 4, 2)
+    table = tuning.parse((tmp_path / "t.csv").read_text(), "reference", "t.csv")
+    assert table.choice(1, 4, 1, 32, 128, 64) == ("flydsl", 4, 2, None)
 
 
 @pytest.mark.slow
@@ -745,19 +897,19 @@ def reference_tune(path, *extra: str) -> int:
 def test_tune_merges_into_a_copy_of_the_builtin_table_keeping_its_comments(tmp_path, capsys, bom, crlf):
     """The package's own table (``#`` provenance lines first) is a table bench --tune merges into,
     whatever a spreadsheet did to it (a byte-order mark, CRLF); it writes LF, comments kept in place."""
-    builtin = open(tuning.BUILTIN.path(), newline="").read()
+    builtin = open(tuning.BUILTIN_PATH, newline="").read()
     assert builtin.startswith("#") and "\r" not in builtin
     text = builtin.replace("\n", "\r\n") if crlf else builtin
     path = tmp_path / "mine.csv"
     path.write_bytes(("\ufeff" if bom else "").encode() + text.encode())
-    assert tuning.read(str(path), "gfx950").rows == 72  # the plugin reads it
+    assert usable(tuning.read(str(path), "gfx950")) == 72  # the plugin reads it
     assert reference_tune(path) == 0, capsys.readouterr().err
     assert "kept 72 earlier rows" in capsys.readouterr().out
     written = path.read_bytes().decode()
     assert "\r" not in written and not written.startswith("\ufeff")
     new_line = written.splitlines()[-1]
     assert new_line.startswith("reference,") and written == builtin + new_line + "\n"
-    assert tuning.read(str(path), "gfx950").rows == 72
+    assert usable(tuning.read(str(path), "gfx950")) == 72
 
 
 def test_a_comment_between_rows_stays_in_place_and_a_replaced_row_goes(tmp_path, capsys):
@@ -795,7 +947,9 @@ def test_a_bom_in_a_table_or_a_config_json_is_not_text(tmp_path):
 
     path = tmp_path / "t.csv"
     path.write_bytes(b"\xef\xbb\xbf" + table_text(row()).encode())
-    assert tuning.read(str(path), "gfx950").rows == 1
+    assert usable(tuning.read(str(path), "gfx950")) == 1  # the plugin's reader
+    assert len(validator.read_rows(io.StringIO(path.read_text(encoding="utf-8-sig")), "t.csv")) == 1
+    assert usable(validator.read(str(path), "gfx950")) == 1  # the validator's
     (tmp_path / "config.json").write_bytes(b"\xef\xbb\xbf" + b'{"model_type": "glm_moe_dsa"}')
     assert reach.resolve(str(tmp_path)) == ("glm_moe_dsa", {"model_type": "glm_moe_dsa"})
 
@@ -821,6 +975,6 @@ def test_a_bom_in_a_table_or_a_config_json_is_not_text(tmp_path):
 def test_every_table_error_names_the_line_it_starts_on(tmp_path, make, line):
     path = tmp_path / "t.csv"
     path.write_bytes(make().encode("utf-8", "surrogateescape"))
-    with pytest.raises(tuning.TableError) as refused:
-        tuning.read(str(path), "gfx950")
+    with pytest.raises(validator.TableError) as refused:
+        validator.read(str(path), "gfx950")
     assert str(refused.value).startswith(f"{path}: {line}"), str(refused.value)

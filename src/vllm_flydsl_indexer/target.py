@@ -81,9 +81,10 @@ def read_capped(path: str, limit: int = MAX_READ_BYTES) -> str:
     """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes; ``OSError`` for anything else
     (a FIFO is opened non-blocking and refused, so it never hangs start-up)."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which names a directory by its fd number
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
         data = f.read(limit + 1)
     if len(data) > limit:
         raise OSError(f"{path} is larger than {limit} bytes")

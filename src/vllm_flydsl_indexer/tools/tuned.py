@@ -136,6 +136,8 @@ def check_row(row: dict[str, str | None]) -> TunedRow:
     gfx = arch_of(checked("gfx"))
     if not gfx:
         raise ValueError("column gfx: is empty")
+    if not gfx.isalnum():  # a zero-width or control character: the plugin's lookup skips the row
+        raise ValueError(f"column gfx: {gfx!r} is not letters and digits")
     sizes = [checked(c, lambda t: _int(t, 1)) for c in SIZE_COLUMNS]
     preshuffle, kvb = checked("preshuffle", _bool), sizes[-1]
     if preshuffle != (kvb > 1):  # the lookup reads preshuffle off the call's KVBlockSize: no call matches
