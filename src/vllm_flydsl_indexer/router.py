@@ -385,7 +385,10 @@ class FlyDSLRouter:
                 "%s the router %s. It uses the stock path.", HEAD, problem, scope="process"
             )
             return
-        self._shape_failed(shape, problem)
+        if shape not in self.failed:  # the facts or a hook may raise at every call: one ERROR
+            self._shape_failed(shape, problem)
+        if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
+            self.routes[key] = Route(self.failed[shape])
 
     def _shape_failed(self, shape: tuple, problem: str) -> None:
         """This shape stays stock until restart (every memoised route of it too), with one ERROR."""
