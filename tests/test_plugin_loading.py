@@ -54,14 +54,14 @@ def test_loader_activates_plugin_on_simulated_gfx950(plugins):
     extra = {envs.SWITCH: "1"}
     if plugins is not None:
         extra["VLLM_PLUGINS"] = plugins
-    result = probe(simulation_env(**extra, **{envs.VERIFY: "0"}))
+    result = probe(simulation_env(**extra, **{envs.SELFTEST: "1"}))
     assert result["patched"] is True
     assert len(result["lines"]) == 1
     assert "FlyDSL paged MQA logits ACTIVE" in result["lines"][0]
     assert result["levels"] == ["INFO"]
     # vLLM's environment validation knows the variables that are set, and only those; vLLM's
     # torch.compile cache key does not change (none of them changes a compiled graph).
-    assert result["new_names"] == sorted([envs.SWITCH, envs.VERIFY])
+    assert result["new_names"] == sorted([envs.SWITCH, envs.SELFTEST])
     assert result["factors_unchanged"], result["new_factors"]
 
 
@@ -75,7 +75,7 @@ def test_allowlist_without_plugin_skips_it():
 @pytest.mark.slow
 def test_switch_off_imports_nothing_more():
     # Other variables of the plugin set, the switch not: still nothing in vLLM changes.
-    result = probe(simulation_env(**{envs.VERIFY: "1", envs.TUNED_CSV: "/nonexistent.csv"}))
+    result = probe(simulation_env(**{envs.SELFTEST: "0", envs.TUNED_CSV: "/nonexistent.csv"}))
     assert result["patched"] is False
     assert result["lines"] == [
         "vllm-flydsl-indexer: stock paged MQA logits "
