@@ -11,11 +11,12 @@ import vllm_flydsl_indexer
 PACKAGE = Path(vllm_flydsl_indexer.__file__).parent
 # The CLI's ``python -m`` entry lives in the package root but register() never imports it.
 ENTRY = "__main__.py"
-# Issue 38: one module per seam (docs/design.md). 17 modules became 10: what vLLM is (target: the
-# target, its content, its objects and its callers), what aiter has (kernels: identification and
-# contracts), the route (router: rules and memo), the self-test (selftest: with the agreement rule),
-# the measured table (tuning), and start-up (__init__, envs with the log lines, gates, patch), plus
-# files, the one reader. What only the tools use went to tools/.
+# Issue 38: one module per seam (docs/design.md). 17 modules became 10, and issue 43 moved files.py to the
+# tools (the runtime's one read is target.read_capped): what vLLM is (target: the target, its fingerprint,
+# its objects and its callers), what aiter has (kernels: identification and contracts), the route
+# (router: one objection and the memo), the self-test (selftest: with the agreement rule), the measured
+# table (tuning), and start-up (__init__, envs with the log lines, gates, patch). What only the tools use
+# is in tools/.
 MAX_PLUGIN_MODULES = 10
 
 
@@ -69,40 +70,71 @@ def test_the_argument_module_is_imported_by_the_cli_alone():
         assert "vllm_flydsl_indexer.tools.cli_args" not in {n.rsplit(".", 1)[0] for n in names}, path.name
 
 
-def test_every_module_marks_its_public_names():
-    """Each module says what it offers (``__all__``), and every name it lists exists."""
+def star_imports() -> set[str]:
+    """Every module some file of the project imports with ``*``."""
+    root = PACKAGE.parents[1]
+    found = set()
+    for path in [*root.glob("src/**/*.py"), *root.glob("tests/**/*.py"), *root.glob("benchmarks/**/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and any(alias.name == "*" for alias in node.names):
+                found.add(node.module)
+    return found
+
+
+def test_the_tools_mark_their_public_names_and_the_runtime_does_not():
+    """Each tools module says what it offers (``__all__``), and every name it lists exists. The runtime has
+    no ``__all__`` except where a module is imported with ``*`` (issue 43: 46 lines of them went)."""
     import importlib
 
-    for path in sorted([*PACKAGE.glob("*.py"), *(PACKAGE / "tools").glob("*.py")]):
-        if path.name in (ENTRY, "__init__.py") and path.parent.name == "tools":
+    for path in sorted((PACKAGE / "tools").glob("*.py")):
+        if path.name == "__init__.py":
             continue
-        if path.name == ENTRY:
-            continue
-        relative = path.relative_to(PACKAGE.parent).with_suffix("")
-        name = ".".join(relative.parts).removesuffix(".__init__")
-        module = importlib.import_module(name)
-        assert isinstance(getattr(module, "__all__", None), list), f"{path.name} has no __all__"
+        module = importlib.import_module(f"vllm_flydsl_indexer.tools.{path.stem}")
+        assert isinstance(getattr(module, "__all__", None), list), f"tools/{path.name} has no __all__"
         missing = [n for n in module.__all__ if not hasattr(module, n)]
-        assert not missing, f"{path.name} lists {missing}"
+        assert not missing, f"tools/{path.name} lists {missing}"
+    starred = star_imports()
+    for path in plugin_modules():
+        name = "vllm_flydsl_indexer" + ("" if path.stem == "__init__" else f".{path.stem}")
+        assigned = {
+            getattr(target, "id", None)
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+            for target in getattr(node, "targets", [getattr(node, "target", None)])
+        }
+        assert "__all__" not in assigned or name in starred, (
+            f"{path.name} has an __all__; nothing imports it with *"
+        )
 
 
-# The runtime wing's size, every line counted (blank, comment and docstring lines too), and its
-# classes (a ``class`` statement each), pinned where issue 38 left them: 10 modules, 3,099 lines and
-# 23 classes, from 17, 4,224 and 28. Its ask, 2,000 lines and 12 classes, is not met: the code alone
-# (no docstring, comment or blank line) is 2,172 lines, and each class left is a record some test
-# reads by name (docs/design.md, "The size of the runtime wing"). Lower these as the wing shrinks.
-MAX_PLUGIN_LINES = 3099
-MAX_PLUGIN_CLASSES = 23
+# The runtime wing's size, counted as the before-stop hook counts it: the modules directly under the
+# package but __main__.py, every line (blank, comment and docstring lines too), and every class statement
+# (ast.ClassDef). Issue 43 asks at most 10 modules, 1,900 lines and 8 classes, and leaves room below 2,000
+# for the next issue (the user's own GPU measured). Pinned where issue 43's rewrite left the wing: 9
+# modules, 1,891 lines, 7 classes (from 10, 3,099 and 23 at issue 38's close); the lines at the ceiling,
+# since its fixes took the wing past 1,891. Lower these as the wing shrinks.
+ISSUE_43_CEILINGS = {"modules": 10, "lines": 1900, "classes": 8}
+MAX_PLUGIN_LINES = 1900
+MAX_PLUGIN_CLASSES = 7
+
+
+def wing_size() -> dict[str, int]:
+    modules = plugin_modules()
+    texts = [path.read_text() for path in modules]
+    return {
+        "modules": len(modules),
+        "lines": sum(len(text.splitlines()) for text in texts),
+        "classes": sum(isinstance(n, ast.ClassDef) for text in texts for n in ast.walk(ast.parse(text))),
+    }
 
 
 def test_the_runtime_wing_stays_small():
-    lines = classes = 0
-    for path in plugin_modules():
-        text = path.read_text()
-        lines += len(text.splitlines())
-        classes += sum(isinstance(n, ast.ClassDef) for n in ast.walk(ast.parse(text)))
-    assert lines <= MAX_PLUGIN_LINES, f"the runtime wing is {lines} lines"
-    assert classes <= MAX_PLUGIN_CLASSES, f"the runtime wing has {classes} classes"
+    size = wing_size()
+    assert size["modules"] <= MAX_PLUGIN_MODULES == ISSUE_43_CEILINGS["modules"], size
+    assert size["lines"] <= MAX_PLUGIN_LINES <= ISSUE_43_CEILINGS["lines"], f"the runtime wing is {size}"
+    assert size["classes"] <= MAX_PLUGIN_CLASSES <= ISSUE_43_CEILINGS["classes"], (
+        f"the runtime wing is {size}"
+    )
 
 
 # A taken call, from the patched function to the kernel launch: the patch's wrapper, the router, and
