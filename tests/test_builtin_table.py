@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import logging
 import subprocess
 import sys
@@ -22,9 +23,12 @@ import pytest
 from test_tuning import batch_problem, row, run_batch, run_problem, table_text
 from vllm_flydsl_indexer import envs, kernels, patch, tuning
 from vllm_flydsl_indexer.kernels import explicit_split_kv
+from vllm_flydsl_indexer.tools import tuned as validator
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILTIN_CSV = Path(tuning.BUILTIN.path())
+BUILTIN_CSV = Path(tuning.BUILTIN_PATH)
+BUILTIN_CHECKSUM = BUILTIN_CSV.with_name(BUILTIN_CSV.name + ".sha256")
+REVISION = "39029932"
 # The data rows of aiter's table at 39029932, read side by side (tests/test_builtin_table.py pins them).
 SOURCE_ROWS = 72
 
@@ -38,14 +42,38 @@ def test_the_builtin_table_is_aiters_rows_unchanged_with_its_provenance():
     text = BUILTIN_CSV.read_text()
     comments = [line for line in text.splitlines() if line.startswith("#")]
     data = "".join(line for line in text.splitlines(keepends=True) if not line.startswith("#"))
-    checksum = (BUILTIN_CSV.parent / Path(tuning.BUILTIN.checksum).name).read_text().strip()
+    checksum = BUILTIN_CHECKSUM.read_text().strip()
     assert hashlib.sha256(data.encode()).hexdigest() == checksum
     header = "\n".join(comments)
-    assert tuning.BUILTIN.revision in header and "MI355X" in header and "AMD's measurements" in header
-    assert "aiter/configs/paged_mqa_logits_tuned.csv" in header
-    # The one validator reads it whole: every row valid, all of gfx950 and 256 CUs.
-    table = tuning.read(str(BUILTIN_CSV), "gfx950")
-    assert table.rows == SOURCE_ROWS and table.cu_counts() == {256}
+    assert REVISION in header and "MI355X" in header and "AMD's measurements" in header
+    assert REVISION in tuning.BUILTIN_LABEL and "aiter/configs/paged_mqa_logits_tuned.csv" in header
+    # The validator reads it whole: every row valid, all of gfx950 and 256 CUs.
+    assert validator.row_problems(str(BUILTIN_CSV)) == []
+    assert len(validator.read_rows(open(BUILTIN_CSV, newline=""), str(BUILTIN_CSV))) == SOURCE_ROWS
+    # The plugin's reader (its ``#`` provenance lines first) skips none of them.
+    table = tuning.read(str(BUILTIN_CSV), "gfx950", tuning.BUILTIN_LABEL, "built-in")
+    assert isinstance(table, tuning.TunedTable), table
+    assert table.skipped == 0 and table.cu_counts() == {256}
+    assert sum(len(rows) for buckets in table.shapes.values() for rows in buckets.values()) == SOURCE_ROWS
+
+
+def test_the_plugins_reader_picks_every_builtin_row_as_amd_measured_it():
+    """Each of the 72 rows is its own bucket: the lookup gives its backend and wg_per_cu, at its batch and
+    up to the next tuned batch (the picks the strict reader gave before the lenient one)."""
+    table = tuning.read(str(BUILTIN_CSV), "gfx950", tuning.BUILTIN_LABEL, "built-in")
+    rows = builtin_rows()
+    batches = sorted({int(r["batch_size"]) for r in rows})
+    for r in rows:
+        batch, next_n = int(r["batch_size"]), int(r["next_n"])
+        wg = int(r["wg_per_cu"]) if r["backend"] == "flydsl" else 0
+        assert table.choice(256, batch, next_n, 32, 128, 64) == (r["backend"], batch, wg, None), r
+        above = [b for b in batches if b > batch]
+        last = above[0] - 1 if above else batch * 4
+        assert table.choice(256, last, next_n, 32, 128, 64) == (r["backend"], batch, wg, None), r
+    assert table.choice(256, 1, 9, 32, 128, 64) is None  # next_n 9: not measured
+    assert table.choice(256, 8, 1, 64, 128, 64) is None  # 64 heads: not measured
+    assert table.choice(304, 8, 1, 32, 128, 64) is None  # another CU count
+    assert {r["backend"] for r in rows} == {"flydsl", "gluon"}
 
 
 @pytest.mark.slow
@@ -60,8 +88,8 @@ def test_the_builtin_table_is_in_the_wheel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     (wheel,) = tmp_path.glob("vllm_flydsl_indexer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for resource in (tuning.BUILTIN.resource, tuning.BUILTIN.checksum):
-        assert f"vllm_flydsl_indexer/{resource}" in names, names
+    for resource in (BUILTIN_CSV.name, BUILTIN_CHECKSUM.name):
+        assert f"vllm_flydsl_indexer/data/{resource}" in names, names
 
 
 @pytest.fixture
@@ -70,7 +98,7 @@ def gfx950_at(target, workspace, aiter_as, monkeypatch, fresh_register, plugin_l
 
     def install(flydsl: str = "gfx950", cus: int = 256, tuned_csv: str | None = None):
         aiter_as(flydsl=flydsl)
-        monkeypatch.setattr(kernels, "_device_cu_count", lambda device_type, index: cus)
+        monkeypatch.setattr(kernels, "_cu_count", lambda device_type, index: cus)
         monkeypatch.setattr(tuning, "_aiter_table", lambda: None)  # the double ships no table
         monkeypatch.setenv(envs.SWITCH, "1")
         if tuned_csv is None:
@@ -112,8 +140,8 @@ def test_builtin_table_routes_each_batch_as_amd_measured(target, gfx950_at, aite
     assert run_batch(target, installed, aiter_calls, 1) == ["gluon"]
     reasons = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
     assert any(
-        "built-in table (aiter 39029932, AMD's MI355X measurements), batch >= 1" in m
-        and "measured stock (Gluon) faster" in m
+        "built-in table (aiter 39029932, AMD's MI355X measurements) on gfx950 with 256 CUs measured stock "
+        "(Gluon) faster at some batch sizes of heads=32 head_dim=128 KVBlockSize=64 next_n=1" in m
         for m in reasons
     ), reasons
 
@@ -139,15 +167,14 @@ def launched(target, installed, calls, batch, next_n, wg_per_cu, other) -> bool:
     return kwargs["SplitKV"] == expected
 
 
-@pytest.mark.parametrize("flydsl", ["gfx950-early", "general"])
-def test_other_kernels_get_no_builtin_table(target, gfx950_at, aiter_calls, plugin_log, flydsl):
+def test_other_kernels_get_no_builtin_table(target, gfx950_at, aiter_calls, plugin_log):
     """Measured on the gfx950 kernel only: elsewhere FlyDSL wherever eligible, and the log says why."""
-    installed = gfx950_at(flydsl=flydsl)
+    installed = gfx950_at(flydsl="general")
     assert installed.router.table is None
     active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
-    assert len(active) == 1 and f"no measurement for the {flydsl} FlyDSL kernel" in active[0], active
+    assert len(active) == 1 and "no measurement for the general FlyDSL kernel" in active[0], active
     assert "bench --tune" in active[0]
-    assert run_batch(target, installed, aiter_calls, 1) == [f"flydsl-{flydsl}".replace("-general", "")]
+    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl"]
 
 
 @pytest.mark.parametrize("value", ["None", " none ", "OFF", "0", "false", "\tFalse\n"])
@@ -166,7 +193,7 @@ def test_a_path_with_whitespace_around_it_names_the_file(
     path = tmp_path / "mine.csv"
     path.write_text(table_text(row(cu=256, batch=1, next_n=1, backend="flydsl", wg=1)))
     installed = gfx950_at(tuned_csv=f"  {path}\n")
-    assert installed.router.table.origin == "env" and installed.router.table.source == str(path)
+    assert installed.router.table.origin == "env" and installed.router.table.name == str(path)
     assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
     assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]  # the built-in table: Gluon
 
@@ -176,57 +203,60 @@ def test_an_explicit_table_replaces_the_builtin_one_never_merged(target, gfx950_
     # Mine: FlyDSL at batch 1, next_n 1 (the built-in table says Gluon there); nothing for next_n 2.
     path.write_text(table_text(row(cu=256, batch=1, next_n=1, backend="flydsl", wg=1)))
     installed = gfx950_at(tuned_csv=str(path))
-    assert installed.router.table.origin == "env" and installed.router.table.source == str(path)
+    assert installed.router.table.origin == "env" and installed.router.table.name == str(path)
     assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
     # Batch 4, next_n 2: built-in says Gluon; mine does not cover it, so the switch's meaning: FlyDSL.
     assert run_batch(target, installed, aiter_calls, 4, next_n=2) == ["flydsl-gfx950"]
 
 
-@pytest.mark.parametrize("bad", ["bad row", "absent", "no rows for gfx950"])
+@pytest.mark.parametrize("bad", ["bad row", "fullwidth batch", "absent", "no rows for gfx950"])
 def test_a_bad_explicit_table_falls_back_to_the_next_source_with_one_warning(
     target, gfx950_at, aiter_calls, plugin_log, tmp_path, bad
 ):
-    """An explicit table that cannot be used is not merged: the next source decides (here the built-in
-    table, which sends batch 1 to Gluon), and one WARNING names the file and that source."""
+    """An explicit table with no usable row is not merged: the next source decides (here the built-in
+    table, which sends batch 1 to Gluon), and one WARNING names the file and says the next is tried."""
     path = tmp_path / "bad.csv"
     if bad == "bad row":
         path.write_text(table_text(row(cu=256, batch=1, backend="nope")))
+    elif bad == "fullwidth batch":
+        path.write_text(table_text(row(cu=256, batch="\uff11", backend="flydsl")))
     elif bad == "no rows for gfx950":
         path.write_text(table_text(row(gfx="gfx942", cu=256, batch=1)))
     installed = gfx950_at(tuned_csv=str(path))
     assert installed.router.table.origin == "built-in"
     assert run_batch(target, installed, aiter_calls, 1) == ["gluon"]
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    (warning,) = [w for w in warnings if "tuned table ignored" in w]
-    assert str(path) in warning and f"using the {tuning.BUILTIN.label} instead" in warning, warning
+    (warning,) = warnings
+    assert warning.startswith(f"vllm-flydsl-indexer: tuned table ignored: {path}: ") and warning.endswith(
+        "; trying the next source"
+    ), warning
     active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
-    assert f"per shape: {tuning.BUILTIN.label}" in active[0], active
+    assert f"per shape: {tuning.BUILTIN_LABEL}" in active[0], active
 
 
 def test_a_bad_explicit_table_falls_to_aiters_table_before_the_builtin(monkeypatch, tmp_path, plugin_log):
-    logger = logging.getLogger("vllm.plugins.flydsl_indexer")
+    logger = logging.getLogger(envs.LOGGER_NAME)
     shipped = tmp_path / "shipped.csv"
     shipped.write_text(table_text(row(cu=256, batch=8, backend="gluon")))
     monkeypatch.setattr(tuning, "_aiter_table", lambda: str(shipped))
-    source = tuning.table_source(str(tmp_path / "absent.csv"), "gfx950")
-    table = tuning.load_source(source, "gfx950", logger)
-    assert table.origin == "aiter" and table.rows == 1
+    monkeypatch.setenv(envs.TUNED_CSV, str(tmp_path / "absent.csv"))
+    table, label = tuning.load("gfx950", "gfx950", logger)
+    assert table.origin == "aiter" and table.name == str(shipped) and table.choice(256, 9, 1, 32, 128, 64)
+    assert label == f"tuned table {shipped} (shipped with aiter)"
     (warning,) = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    assert (
-        "absent.csv" in warning and f"using the tuned table {shipped} (shipped with aiter) instead" in warning
-    )
-    assert tuning.in_use(source, table) == f"tuned table {shipped} (shipped with aiter)"
+    assert "absent.csv: FileNotFoundError" in warning and warning.endswith("; trying the next source")
     # Every source unusable: one WARNING each, and the last word is the switch's meaning.
     shipped.write_text("not,a,table\n")
     plugin_log.clear()
-    source = tuning.table_source(str(tmp_path / "absent.csv"), "general")
-    assert tuning.load_source(source, "gfx950", logger) is None
+    table, label = tuning.load("general", "gfx950", logger)
+    assert table is None
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    assert len(warnings) == 2 and all("no other table: no measurement for the general" in w for w in warnings)
-    assert tuning.in_use(source, None).endswith(
-        "ignored, no measurement for the general FlyDSL kernel: "
-        "FlyDSL wherever eligible (vllm-flydsl-indexer bench --tune "
-        "measures this node)"
+    assert (
+        len(warnings) == 2 and "absent.csv" in warnings[0] and f"{shipped}: missing column(s)" in warnings[1]
+    )
+    assert label == (
+        "no measurement for the general FlyDSL kernel: FlyDSL wherever eligible "
+        "(vllm-flydsl-indexer bench --tune measures this node)"
     )
 
 
@@ -244,25 +274,34 @@ def test_another_cu_count_keeps_flydsl_wherever_eligible_with_one_info(
 def test_precedence_variable_then_aiters_table_then_builtin_then_none(monkeypatch, tmp_path):
     shipped = str(tmp_path / "aiter_shipped.csv")
     monkeypatch.setattr(tuning, "_aiter_table", lambda: shipped)
-    assert tuning.table_source("/mine.csv", "gfx950").path == "/mine.csv"
-    assert tuning.table_source(" NONE ", "gfx950").path is None
-    assert tuning.table_source(" /mine.csv\t", "gfx950").path == "/mine.csv"
+
+    def origins(env, variant):
+        return [(path, origin) for path, origin, _ in tuning.sources(env, variant)]
+
+    builtin = (tuning.BUILTIN_PATH, "built-in")
+    assert origins("/mine.csv", "gfx950") == [
+        ("/mine.csv", "env"),
+        (shipped, "aiter"),
+        builtin,
+        (None, "none"),
+    ]
+    assert origins(" /mine.csv\t", "general") == [("/mine.csv", "env"), (shipped, "aiter"), (None, "none")]
     for off in tuning.OFF_VALUES:
-        assert tuning.table_source(f" {off.upper()} ", "gfx950").origin == "off"
-    assert tuning.table_source(None, "gfx950").path == shipped
-    assert tuning.table_source(None, "general").path == shipped
+        assert origins(f" {off.upper()} ", "gfx950") == [(None, "off")]
+    assert origins(None, "gfx950") == [(shipped, "aiter"), builtin, (None, "none")]
+    assert origins(None, "general") == [(shipped, "aiter"), (None, "none")]
     monkeypatch.setattr(tuning, "_aiter_table", lambda: None)
-    assert tuning.table_source(None, "gfx950").origin == "built-in"
-    assert tuning.table_source("", "gfx950").origin == "built-in"
-    for variant in ("gfx950-early", "general", "dispatcher", None):
-        assert tuning.table_source(None, variant).origin == "none"
+    assert origins(None, "gfx950") == origins("", "gfx950") == [builtin, (None, "none")]
+    for variant in ("general", "dispatcher", None):
+        assert origins(None, variant) == [(None, "none")]
 
 
 def test_a_gfx_cell_with_target_features_matches_its_arch():
     """torch reports ``gfx950:sramecc+:xnack-``; such a row is a gfx950 row."""
     text = table_text(row(gfx="gfx950:sramecc+:xnack-", cu=256, batch=8, backend="gluon"))
-    table = tuning.parse(text.splitlines(keepends=True), "t.csv", "gfx950")
-    assert table.rows == 1 and table.choice(256, 8, 1, 32, 128, 64).backend == "gluon"
+    table = tuning.parse(text, "gfx950", "t.csv")
+    assert table.skipped == 0 and table.choice(256, 8, 1, 32, 128, 64) == ("gluon", 8, 0, None)
+    assert validator.read_rows(io.StringIO(text), "t.csv")[0].gfx == "gfx950"
 
 
 def doctor_json(**env: str) -> dict:
@@ -285,7 +324,7 @@ def doctor_json(**env: str) -> dict:
 def test_doctor_reports_the_builtin_table_and_its_arm_for_all_72_rows():
     data = doctor_json(AITER_DOUBLE_FLYDSL="gfx950")
     table = data["tuned_table"]
-    assert table["origin"] == "built-in" and table["source"] == tuning.BUILTIN.label
+    assert table["origin"] == "built-in" and table["source"] == tuning.BUILTIN_LABEL
     assert "no GPU here" in table["applies"] and "256" in table["applies"]
     assert "per shape: built-in table (aiter 39029932" in data["log_line"]
     arms = {
@@ -305,7 +344,6 @@ def test_doctor_reports_the_builtin_table_and_its_arm_for_all_72_rows():
 @pytest.mark.parametrize(
     ("flydsl", "variable", "origin", "words"),
     [
-        ("gfx950-early", None, "none", "no measurement for the gfx950-early FlyDSL kernel"),
         ("general", None, "none", "no measurement for the general FlyDSL kernel"),
         ("gfx950", "none", "off", f"({envs.TUNED_CSV}=none)"),
     ],
@@ -398,8 +436,7 @@ def test_doctor_shows_the_bad_explicit_table_and_the_source_used_instead(tmp_pat
     assert table["origin"] == "built-in" and table["rows"] == SOURCE_ROWS
     (ignored,) = table["ignored"]
     assert ignored["source"] == str(bad) and ignored["origin"] == "env"
-    assert ignored["note"].startswith(f"IGNORED: {bad}: line 2, column backend")
-    assert ignored["note"].endswith(f"using the {tuning.BUILTIN.label} instead")
+    assert ignored["note"] == f"IGNORED: {bad}: 1 rows, 1 unusable, none usable for gfx950; next source tried"
     assert "per shape: built-in table (aiter 39029932" in data["log_line"]
     off = doctor_json(AITER_DOUBLE_FLYDSL="gfx950", **{envs.TUNED_CSV: " Off "})["tuned_table"]
     assert off["origin"] == "off" and off["source"] is None and not off["ignored"]
@@ -407,7 +444,7 @@ def test_doctor_shows_the_bad_explicit_table_and_the_source_used_instead(tmp_pat
 
 @pytest.mark.slow
 def test_doctor_off_rocm_calls_a_valid_table_valid(tmp_path):
-    """No ROCm arch here: a valid table is 'valid, N rows; none for this machine', not a broken file."""
+    """No ROCm arch here: a valid table has no row for this machine, and doctor says so."""
     from conftest import simulation_env
 
     path = tmp_path / "mine.csv"
@@ -421,4 +458,4 @@ def test_doctor_off_rocm_calls_a_valid_table_valid(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith(f"tuned table: {path}")]
-    assert f"IGNORED: {path}: valid, 2 rows; none for this machine (no ROCm arch)" in line, line
+    assert f"IGNORED: {path}: 2 rows, 0 unusable, none usable for this machine (no ROCm arch)" in line, line
