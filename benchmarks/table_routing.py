@@ -106,16 +106,16 @@ def replay(tuned_csv: str | None) -> dict:
 
     from vllm_flydsl_indexer import kernels, tuning
 
-    path = tuned_csv or tuning.BUILTIN.path()
+    path = tuned_csv or tuning.BUILTIN_PATH
     rows = table_rows(path)
     (cus,) = {int(r["cu_num"]) for r in rows}
-    kernels._device_cu_count = lambda device_type, index: cus  # the rows' GPU
+    kernels._cu_count = lambda device_type, index: cus  # the rows' GPU (cu_count reads it)
     if not torch.accelerator.is_available():
         # vLLM 0.32's workspace resize empties the accelerator cache, which a CPU-only torch refuses.
         torch.accelerator.empty_cache = lambda: None
     init_workspace_manager(torch.device("cpu"))
     arms: dict[str, list[str]] = {"stock": ["stock"] * len(rows)}
-    for policy, variable in (("flydsl-everywhere", tuning.OFF), ("router+table", tuned_csv or "")):
+    for policy, variable in (("flydsl-everywhere", tuning.OFF_VALUES[0]), ("router+table", tuned_csv or "")):
         installed = register(variable)
         table = installed.router.table
         assert (table is None) == (policy == "flydsl-everywhere"), (policy, table)
@@ -150,7 +150,7 @@ def replay(tuned_csv: str | None) -> dict:
             "flydsl_shapes": sum(s[policy]["arm"] == "flydsl" for s in shapes),
         }
     return {
-        "table": tuning.BUILTIN.label if tuned_csv is None else tuned_csv,
+        "table": tuning.BUILTIN_LABEL if tuned_csv is None else tuned_csv,
         "gfx": rows[0]["gfx"],
         "cu_num": cus,
         "rows": len(rows),
