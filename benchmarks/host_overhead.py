@@ -104,11 +104,7 @@ def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     """The four arms through real vLLM on CPU, warmed with the doubles, then timed with no-op kernels."""
     os.environ["VLLM_ROCM_USE_AITER"] = "1"
     os.environ["VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"] = "1"
-    for name in (
-        "VLLM_FLYDSL_INDEXER_SELFTEST",
-        "VLLM_FLYDSL_INDEXER_TUNED_CSV",
-        "VLLM_FLYDSL_INDEXER_VERIFY",
-    ):
+    for name in ("VLLM_FLYDSL_INDEXER_SELFTEST", "VLLM_FLYDSL_INDEXER_TUNED_CSV"):
         os.environ.pop(name, None)  # every default on
     for sub in ("aiter_flydsl", "amdsmi_gfx950"):
         sys.path.insert(0, str(DOUBLES / sub))
@@ -165,11 +161,10 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     kernels = {"gluon": reference_arms().gluon}
     workspace = Workspace(4 * next_n, taken_args[6], device)
     stock = stock_call(lambda *a, **k: kernels["gluon"](*a, **k), workspace)
-    import logging
+    from vllm_flydsl_indexer.tools.harness import quiet_logger
 
-    router = FlyDSLRouter(
-        stock, contract_variant(GENERAL), mirror_hooks(workspace), logging.getLogger("bench")
-    )
+    # A stdlib logger with the *_once methods the router calls (vLLM's logger has them).
+    router = FlyDSLRouter(stock, contract_variant(GENERAL), mirror_hooks(workspace), quiet_logger())
     router.call_from(TARGET_MODULE, *taken_args)
     router.call_from(TARGET_MODULE, *bound_args)
     assert router.calls_taken == 1 and list(router.self_tests.values()) == [None], router.self_tests

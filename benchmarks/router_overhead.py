@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import logging
 import statistics
 import time
 
@@ -77,6 +76,7 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
         return out
 
     from vllm_flydsl_indexer.target import StockHooks
+    from vllm_flydsl_indexer.tools.harness import quiet_logger
 
     hooks = StockHooks(
         preshuffle=lambda bs: bs > 1,
@@ -89,7 +89,7 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
         stock,
         reference_variant(GENERAL),
         hooks,
-        logging.getLogger("router_overhead"),
+        quiet_logger(),  # a stdlib logger with the *_once methods the router calls
         is_capturing=lambda: False,
     )
     # Warm-up on the reference contracts: the self-test passes and the taken route is ready.
