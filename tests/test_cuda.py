@@ -13,8 +13,9 @@ import logging
 import pytest
 import torch
 
-from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import read_window_ends
 from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call, stock_call
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.tools.reference import (
     flydsl_contract_reference,
     fp8_paged_mqa_logits_reference,
@@ -316,7 +317,11 @@ def variant_router(name: str, ws: Workspace, aiter_as):
     aiter_as(flydsl="gfx950" if name == "gfx950" else "general", dispatcher=name == "dispatcher")
     module = importlib.import_module(module_name)
     fn = module.paged_mqa_logits if name == "dispatcher" else module.flydsl_fp8_paged_mqa_logits
-    variant = identification.identify(fn, module)
+    variant = (
+        identification.identify_dispatcher(module, module_name)
+        if name == "dispatcher"
+        else identification.identify_flydsl(fn, module, module_name)
+    )
     assert not isinstance(variant, str) and variant.name == name, variant
     arms = Arms(False, "doubles", "", gluon_contract_reference, fn, variant)
     return Routed(patched_call(arms, ws)), heads
@@ -373,8 +378,6 @@ def test_each_variant_runs_without_sync_and_captures(name, aiter_as):
 def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
     """A FlyDSL row's wg_per_cu reaches the gfx950 launch as SplitKV on a real GPU: no host sync,
     captured into a graph, and replayed with the measured knob (aiter.CALLS records what was passed)."""
-    import io
-
     import aiter
 
     from vllm_flydsl_indexer import kernels, selftest, tuning
@@ -384,7 +387,8 @@ def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
     cus = kernels.cu_count(torch.device("cuda"))
     header = ",".join(tuning.COLUMNS)
     text = f"{header}\ngfx950,{cus},1,2,{heads},128,64,True,8192,flydsl,0,0,2,1.0,2.0,1.0\n"
-    router.router.table = tuning.parse(io.StringIO(text), "t.csv", "gfx950")
+    router.router.table = tuning.parse(text, "gfx950", "t.csv")
+    assert not isinstance(router.router.table, str), router.router.table
     static = problem(30, heads=heads)
     static_args = (*args_of(static), None, MML)
     aiter.CALLS.clear()

@@ -24,7 +24,7 @@ link_libs)``, 0.5.0 ``compile(asm, *, func_name, config)``), so the hook
 passes whatever it gets through unread.
 
 A fresh process per configuration: flydsl keys its in-process compile cache
-on fewer things than the router's ``KernelConfig`` (the general kernel shares
+on fewer things than the router's shape ``(heads, head_dim, KVBlockSize, next_n)`` (the general kernel shares
 one compiled launcher across ``next_n``), so "exactly once" is only
 measurable from a clean state.
 
@@ -72,7 +72,7 @@ import types
 REQUIRED_ENV = {"COMPILE_ONLY": "1", "ARCH": "gfx950", "FLYDSL_GPU_ARCH": "gfx950"}
 BATCH, MAX_MODEL_LEN = 4, 1024
 MI355X_CUS = 256
-# The third call: same KernelConfig, other batch, max_model_len and table width.
+# The third call: same shape, other batch, max_model_len and table width.
 OTHER_BATCH, OTHER_MAX_MODEL_LEN = 7, 2048
 
 
@@ -295,7 +295,7 @@ def _find_variant():
         if not callable(fn):
             problems.append(f"{path}: no {identification.KERNEL_NAME}")
             continue
-        return identification.identify(fn, module), problems
+        return identification.identify_flydsl(fn, module, f"{path}.{identification.KERNEL_NAME}"), problems
     return None, problems
 
 
@@ -315,12 +315,11 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
     import torch
 
     from vllm_flydsl_indexer import kernels
-    from vllm_flydsl_indexer.router import KernelConfig
     from vllm_flydsl_indexer.tools.arms import Arms, Workspace, from_defining_module, patched_call
     from vllm_flydsl_indexer.tools.models import eligible_configs
     from vllm_flydsl_indexer.tools.reference import gluon_contract_reference, make_paged_problem
 
-    kernels._device_cu_count = lambda device_type, index: MI355X_CUS
+    kernels._cu_count = lambda device_type, index: MI355X_CUS  # what kernels.cu_count reads
     variant, problems = _find_variant()
     result: dict = {"problems": problems, "flydsl": used}
     if not isinstance(variant, kernels.KernelVariant):
@@ -338,8 +337,8 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
 
     variant = dataclasses.replace(variant, fn=recording)
     result["eligible"] = [list(c) for c in eligible_configs(variant)]
-    index_dim = variant.limits.index_dim or head_dim + kernels.SCALE_BYTES
-    reason = variant.limits.violation(heads, head_dim, block_size, index_dim, next_n)
+    index_dim = variant.index_dim or head_dim + kernels.SCALE_BYTES
+    reason = variant.shape_violation(heads, head_dim, block_size, index_dim, next_n)
     if reason is not None:
         result["ineligible"] = reason
         return result
@@ -401,13 +400,13 @@ def main(checkout: str, heads: int, head_dim: int, block_size: int, next_n: int)
                 "delegated_so_far": router.calls_delegated,
             }
         )
-    config = KernelConfig(heads, head_dim, block_size, next_n)
+    shape = (heads, head_dim, block_size, next_n)  # the router's shape: what FlyDSL compiles
     result.update(
         calls=calls,
         compiles=compiles,
-        router_compiled=config in router.compiled,
-        router_failed=router.failed.get(config),
-        launch_kwargs=[dict(route.kwargs) for route in router._routes.values() if route.config],
+        router_compiled=shape in router.compiled,
+        router_failed=router.failed.get(shape),
+        launch_kwargs=[dict(route.kwargs) for route in router.routes.values() if route.shape],
         log=records,
     )
     return result
