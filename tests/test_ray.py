@@ -72,7 +72,7 @@ class Probe:
             "lines": records,
             "marked": bool(getattr(fn, MARKER, False)),
             "is_wrapper": installed is not None and fn is installed.wrapper,
-            "table": table.source if table else None,
+            "table": table.name if table else None,
             "environ": {k: v for k, v in os.environ.items() if k.startswith("VLLM_")},
         }
 
