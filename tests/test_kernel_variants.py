@@ -4,10 +4,10 @@
 The doubles model each API's contract as aiter's public source states it
 (``tests/doubles/aiter_flydsl``): the general PR #4221 kernel, the
 gfx950-specialised kernel (which raises ValueError outside its shapes and
-reads ``context_lens.max().item()`` when SplitKV is left automatic), its
-earlier revision for heads 32/64 (more in ``test_gfx950_early_revision.py``),
-its revision that takes q padded to ``MAX_NN`` rows, the tuned dispatcher, an
-aiter without any, and one whose import raises.
+reads ``context_lens.max().item()`` when SplitKV is left automatic), its two
+revisions aiter moved past (the earlier one for heads 32/64 and the one that
+takes q padded to ``MAX_NN`` rows: refused, ``test_gfx950_early_revision.py``),
+the tuned dispatcher, an aiter without any, and one whose import raises.
 """
 
 from __future__ import annotations
@@ -28,14 +28,18 @@ from vllm_flydsl_indexer import envs, kernels, patch
 from vllm_flydsl_indexer import kernels as identification
 from vllm_flydsl_indexer import router as router_module
 from vllm_flydsl_indexer.router import FlyDSLRouter
-from vllm_flydsl_indexer.selftest import compare_in_windows, read_window_ends
+from vllm_flydsl_indexer.selftest import read_window_ends
 from vllm_flydsl_indexer.target import TARGET_MODULE
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.tools.models import eligible_configs
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 ADAPTER_LOG = logging.getLogger("vllm.plugins.flydsl_indexer")
 SYNC_OPS = {"aiter::_local_scalar_dense", "aten::_local_scalar_dense", "aten::item", "aten::nonzero"}
+
+
+KERNEL_MODULE = "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits"
 
 
 def gfx950_module():
@@ -45,33 +49,39 @@ def gfx950_module():
 # ---------------------------------------------------------------- identification
 
 
+def identify(fn, module=None):
+    return identification.identify_flydsl(fn, module, "a double")
+
+
 def test_general_kernel_is_identified():
     module = importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits")
-    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
-    assert variant.name == "general" and variant.limits == kernels.Limits()
+    variant = identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert variant.name == "general" and variant.location == "a double"
+    # The general rule, no contract of module constants, no SplitKV.
+    assert (variant.heads, variant.head_dims, variant.block_sizes, variant.index_dim) == (None,) * 4
+    assert variant.max_next_n is None and not variant.gfx950 and variant.split_kv_workgroups_per_cu is None
 
 
 def test_gfx950_kernel_limits_come_from_its_module_constants(monkeypatch):
     module = gfx950_module()
-    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    variant = identify(module.flydsl_fp8_paged_mqa_logits, module)
     assert variant.name == "gfx950"
-    assert variant.limits.heads == {32} and variant.limits.head_dims == {128}
-    assert variant.limits.block_sizes == {64} and variant.limits.index_dim == 132
-    assert variant.limits.max_next_n == 8 and variant.limits.preshuffle_required
-    # Other constants are read as they are (aiter's heads 32/64, next_n 1..2 revision has no
-    # next_n_lens and no MAX_NN, so it is refused: see test_unknown_api_shapes_are_refused).
+    assert variant.heads == {32} and variant.head_dims == {128}
+    assert variant.block_sizes == {64} and variant.index_dim == 132
+    assert variant.max_next_n == 8 and variant.gfx950 and variant.split_kv_workgroups_per_cu == 3
+    # Other constants are read as they are.
     monkeypatch.setattr(module, "NUM_HEADS", (32, 64))
     monkeypatch.setattr(module, "MAX_NN", 2)
-    early = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
-    assert early.limits.heads == {32, 64} and early.limits.max_next_n == 2
-    assert {(h, b, n) for _, h, _, b, n in eligible_configs(early)} == {
+    wider = identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert wider.heads == {32, 64} and wider.max_next_n == 2
+    assert {(h, b, n) for _, h, _, b, n in eligible_configs(wider)} == {
         (64, 64, 1),
         (64, 64, 2),
         (32, 64, 1),
         (32, 64, 2),
     }
     monkeypatch.delattr(module, "INDEX_DIM")
-    assert "lacks readable INDEX_DIM" in identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    assert "lacks a readable INDEX_DIM" in identify(module.flydsl_fp8_paged_mqa_logits, module)
 
 
 def test_unknown_api_shapes_are_refused():
@@ -110,17 +120,19 @@ def test_unknown_api_shapes_are_refused():
     ):
         return out
 
-    assert "unknown shape" in identification.identify(no_knobs, None)
-    assert "lacks keyword-only Preshuffle, KVBlockSize" in identification.identify(positional_knobs, None)
-    assert "without a keyword-only SplitKV" in identification.identify(gfx950_without_split, None)
-    assert "lacks keyword-only Preshuffle" in identification.identify(first_gfx950, None)
-    reason = identification.identify(heads_32_64_gfx950, None)
-    assert "like the earlier gfx950 kernel, but its module lacks readable SUPPORTED_HEADS" in reason
+    assert "unknown shape" in identify(no_knobs)
+    assert "lacks keyword-only Preshuffle, KVBlockSize" in identify(positional_knobs)
+    assert "unknown shape" in identify(gfx950_without_split)
+    assert "lacks keyword-only Preshuffle" in identify(first_gfx950)
+    # Without SUPPORTED_HEADS it is not even the earlier revision: an API of an unknown shape.
+    assert "unknown shape (no next_n_lens, no ChunkK/WavePerEU/variant)" in identify(heads_32_64_gfx950)
 
     def early_without_split(q, kv, w, out, ctx, bt, mml, *, Preshuffle=True, KVBlockSize=64):
         return out
 
-    assert "no keyword-only SplitKV" in identification.identify(early_without_split, None)
+    assert "unknown shape" in identify(early_without_split)
+    for fn in (no_knobs, positional_knobs, gfx950_without_split, first_gfx950, heads_32_64_gfx950):
+        assert "not supported" not in identify(fn)
 
 
 def padded_q_module():
@@ -139,13 +151,10 @@ def test_padded_q_gfx950_revision_is_told_apart_by_its_source_alone():
         padded.flydsl_fp8_paged_mqa_logits
     )
     assert [getattr(nn, c) for c in GFX950_CONSTANTS] == [getattr(padded, c) for c in GFX950_CONSTANTS]
-    # ... only the wrapper's check of q.shape[1] against MAX_NN differs.
-    assert identification.gfx950_q_contract(nn.flydsl_fp8_paged_mqa_logits) == identification.Q_NEXT_N
-    assert identification.gfx950_q_contract(padded.flydsl_fp8_paged_mqa_logits) == identification.Q_PADDED
-    assert identification.identify(nn.flydsl_fp8_paged_mqa_logits, nn).name == "gfx950"
-    reason = identification.identify(padded.flydsl_fp8_paged_mqa_logits, padded)
-    assert isinstance(reason, str)
-    assert "takes q padded to next_n 8" in reason and "not supported, stock path kept" in reason
+    # ... only the wrapper's check of q.shape[1] against MAX_NN differs: a range check, or equality.
+    assert identify(nn.flydsl_fp8_paged_mqa_logits, nn).name == "gfx950"
+    reason = identify(padded.flydsl_fp8_paged_mqa_logits, padded)
+    assert isinstance(reason, str) and identification.UNSUPPORTED["padded"] in reason
 
 
 def test_gfx950_api_whose_source_cannot_be_read_keeps_stock():
@@ -161,9 +170,9 @@ def test_gfx950_api_whose_source_cannot_be_read_keeps_stock():
         namespace,
     )
     fn = namespace["flydsl_fp8_paged_mqa_logits"]
-    assert identification.gfx950_q_contract(fn).startswith("source unreadable")
-    reason = identification.identify(fn, constants)
-    assert "q contract cannot be read from its source" in reason
+    reason = identify(fn, constants)
+    assert "q contract cannot be told (source unreadable" in reason
+    assert reason.endswith("the stock path is kept")
 
     # A wrapper that checks q.shape[1] neither way is not guessed at either.
     def unchecked(
@@ -172,9 +181,9 @@ def test_gfx950_api_whose_source_cannot_be_read_keeps_stock():
         b, n, h, d = q.shape
         return out
 
-    assert identification.gfx950_q_contract(unchecked).startswith(
-        "neither of a range check and an equality check"
-    )
+    unchecked.__module__ = namespace["__name__"]  # its constants are read where it was found
+    reason = identify(unchecked, constants)
+    assert "q contract cannot be told (no range check of q's rows against MAX_NN" in reason
 
 
 def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
@@ -192,7 +201,7 @@ def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
         ("gfx950", False, "gfx950"),
         ("general", True, "dispatcher"),
         ("gfx950", True, "dispatcher"),
-        ("gfx950-early", False, "gfx950-early"),
+        ("gfx950-early", False, None),
         ("gfx950-early", True, "dispatcher"),
         ("gfx950-padded-q", False, None),
         ("gfx950-padded-q", True, "dispatcher"),
@@ -202,15 +211,18 @@ def test_an_unrelated_paged_mqa_logits_module_is_not_the_dispatcher():
 )
 def test_find_kernel_in_each_aiter_situation(aiter_as, flydsl, dispatcher, expected):
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
-    lookup = identification.find_kernel()
-    assert (lookup.variant.name if lookup.variant else None) == expected, lookup.reason
+    variant, reason = identification.find_kernel()
+    assert (variant.name if variant else None) == expected, reason
+    if expected is not None:
+        assert reason == "found"
     if flydsl == "broken-import":
-        assert "RuntimeError: double: flydsl version does not match this aiter" in lookup.reason
-    if flydsl == "gfx950-padded-q" and expected is None:
-        assert lookup.reason.count("takes q padded to next_n 8") == 1, lookup.reason
+        assert "RuntimeError: double: flydsl version does not match this aiter" in reason
+    if flydsl.startswith("gfx950-") and expected is None:
+        # The re-export and the module it re-exports are one function: refused once.
+        assert reason.count("this aiter revision is not supported") == 1, reason
     if expected is None:
-        assert "no tuned paged MQA logits dispatcher" in lookup.reason
-        assert "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits:" in lookup.reason
+        assert "no tuned paged MQA logits dispatcher" in reason
+        assert "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits:" in reason
 
 
 def test_explicit_split_kv_follows_aiters_dispatcher_rule():
@@ -232,8 +244,6 @@ def expected_arms(variant: str, heads: int, kvb: int, batch: int) -> list[str]:
         return ["flydsl"]
     if variant == "gfx950":
         return ["flydsl-gfx950"] if (heads, kvb) == (32, 64) else ["gluon"]
-    if variant == "gfx950-early":
-        return ["flydsl-gfx950-early"] if kvb == 64 else ["gluon"]
     # The dispatcher is handed only the calls its table sends to FlyDSL; where it picks Gluon (with
     # its own ChunkK/WavePerEU), vLLM's original makes its own Gluon call.
     return ["dispatcher", "flydsl"] if (heads, kvb) == (32, 64) and batch >= 64 else ["gluon"]
@@ -252,9 +262,7 @@ def self_test_arms(variant: str, heads: int, kvb: int, next_n: int) -> list[str]
     return ["gluon", *(flydsl if variant == "general" else flydsl * 2)]
 
 
-@pytest.mark.parametrize(
-    "variant,dispatcher", [("general", False), ("gfx950", False), ("gfx950-early", False), ("general", True)]
-)
+@pytest.mark.parametrize("variant,dispatcher", [("general", False), ("gfx950", False), ("general", True)])
 @pytest.mark.slow_except("general-False", "gfx950-False")
 def test_each_variant_takes_exactly_its_shapes_and_agrees(
     target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls, variant, dispatcher
@@ -313,7 +321,7 @@ class SyncAudit(TorchDispatchMode):
 
 def test_gfx950_launch_passes_split_kv_so_nothing_reads_the_device(monkeypatch):
     module = gfx950_module()
-    variant = identification.identify(module.flydsl_fp8_paged_mqa_logits, module)
+    variant = identify(module.flydsl_fp8_paged_mqa_logits, module)
     p = make_paged_problem([500, 64, 3], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
     args = p.call_args()
     from conftest import Recorder, hooks
@@ -434,8 +442,9 @@ def test_pool_limit_is_exclusive_at_2_to_the_31_bytes():
     at_limit = torch.empty((2**31 // per_block, 64, 1, 128), dtype=torch.uint8, device="meta")
     below = torch.empty((2**31 // per_block - 1, 64, 1, 128), dtype=torch.uint8, device="meta")
     assert at_limit.numel() == 2**31
-    assert "2**31 bytes or more" in kernels.common_violation(q, at_limit, w, ctx, bt)
-    assert kernels.common_violation(q, below, w, ctx, bt) is None
+    general = identify(importlib.import_module(KERNEL_MODULE).flydsl_fp8_paged_mqa_logits)
+    assert "2**31 bytes or more" in general.violation(q, at_limit, w, ctx, bt)
+    assert general.violation(q, below, w, ctx, bt) is None
 
 
 @pytest.mark.parametrize(
@@ -443,7 +452,6 @@ def test_pool_limit_is_exclusive_at_2_to_the_31_bytes():
     [
         ("general", False, "general", "FlyDSL"),
         ("gfx950", False, "gfx950", "stock"),
-        ("gfx950-early", False, "gfx950-early", "FlyDSL"),
         ("general", True, "dispatcher", "aiter's dispatcher"),
     ],
 )
@@ -458,35 +466,3 @@ def test_doctor_names_the_variant_and_the_shapes_it_takes(aiter_as, flydsl, disp
     text = doctor.render(data)
     assert f"kernel:   {name}: " in text
     assert f"DeepSeek-V3.2 64x128              64   1       {v32_kvb64}" in text
-
-
-def test_padded_q_gfx950_revision_keeps_stock_with_one_warning_and_no_call(
-    target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, aiter_calls
-):
-    from vllm_flydsl_indexer.tools import doctor
-
-    aiter_as(flydsl="gfx950-padded-q")
-    monkeypatch.setenv(envs.SWITCH, "1")
-    fresh_register()
-    assert patch.installed() is None
-    lines = [r for r in plugin_log if r.levelno >= logging.WARNING]
-    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
-    assert "FlyDSL inactive: aiter has no usable FlyDSL kernel" in lines[0].getMessage()
-    assert "takes q padded to next_n 8" in lines[0].getMessage()
-    # doctor shows the same reason on the kernel gate.
-    data = doctor.report({envs.SWITCH: "1"})
-    assert data["arm"] == "stock" and data["kernel"] is None
-    (gate,) = [g for g in data["gates"] if g["name"] == "kernel"]
-    assert not gate["ok"] and "takes q padded to next_n 8" in gate["detail"]
-    assert "not supported, stock path kept" in doctor.render(data)
-    # The shapes the gfx950 kernel would take go to stock; nothing calls the padded kernel.
-    site = call_site_in(importlib.import_module(TARGET_MODULE))
-    for next_n in (1, 2):
-        p = make_paged_problem(
-            [150, 9, 77], next_n=next_n, heads=32, head_dim=128, block_size=64, preshuffle=True
-        )
-        args = p.call_args()
-        aiter_calls.clear()
-        site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1})
-        assert [a for a, _ in aiter_calls] == ["gluon"]
-    assert not [r for r in plugin_log if r.levelno >= logging.ERROR]
