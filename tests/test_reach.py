@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -18,16 +17,11 @@ from conftest import simulation_env
 from test_cli import cli
 from test_drift import function, module_source, vllm_root
 from vllm_flydsl_indexer import envs
-from vllm_flydsl_indexer.envs import MODEL_STOCK_LINE
 from vllm_flydsl_indexer.kernels import BLOCK_OUTER_NOTE
-from vllm_flydsl_indexer.target import (
-    TARGET_MODULE,
-    FP8_SETTING,
-    MXFP4_DEFAULT_FUNCTION,
-    mxfp4_reason,
-)
+from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools import reach
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
+from vllm_flydsl_indexer.tools.reach import FP8_SETTING, MXFP4_DEFAULT_FUNCTION, mxfp4_reason
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM = importlib.metadata.version("vllm")
@@ -93,7 +87,11 @@ def test_shapes_come_from_config_json_and_the_found_variant_decides():
     refuses_64 = SimpleNamespace(
         active=True,
         reason="all gates passed",
-        variant=SimpleNamespace(name="gfx950", takes_shape=lambda h, d, b, n: h == 32),
+        variant=SimpleNamespace(
+            name="gfx950",
+            index_dim=None,
+            shape_violation=lambda h, d, b, i, n: None if h == 32 else f"heads={h}",
+        ),
     )
     data = reach.assess("deepseek_v32", {"index_n_heads": 64, "index_head_dim": 128}, refuses_64)
     assert data["shape_source"] == "config.json" and data["contract"] == "the found kernel gfx950"
@@ -296,33 +294,6 @@ def test_mxfp4_default_is_read_from_vllm():
     assert reach.mxfp4_default_models() == {"deepseek_v4"}
 
 
-def method(module: str, cls: str, name: str) -> ast.FunctionDef:
-    body = next(c for c in module_source(module).body if isinstance(c, ast.ClassDef) and c.name == cls).body
-    return next(n for n in body if isinstance(n, ast.FunctionDef) and n.name == name)
-
-
-def calls(node: ast.AST, name: str) -> bool:
-    return any(isinstance(c, ast.Call) and ast.unparse(c.func) == name for c in ast.walk(node))
-
-
-def test_plugins_load_before_vllm_resolves_the_indexer_dtype():
-    """Why the config watch sees every config: process 0 loads plugins in ``EngineArgs.__post_init__``.
-
-    A VllmConfig is built only later (``create_engine_config``), and its
-    ``__post_init__`` runs the platform's ``check_and_update_config``, which
-    calls vLLM's MXFP4 default by its module global: the name the watch replaces.
-    """
-    assert calls(method("vllm.engine.arg_utils", "EngineArgs", "__post_init__"), "load_general_plugins")
-    assert calls(
-        method("vllm.config.vllm", "VllmConfig", "__post_init__"), "current_platform.check_and_update_config"
-    )
-    if VLLM.startswith("0.32."):
-        assert reach.mxfp4_default_models() == frozenset()
-        return
-    update = method("vllm.platforms.rocm", "RocmPlatform", "check_and_update_config")
-    assert calls(update, MXFP4_DEFAULT_FUNCTION)
-
-
 def dsv4_config(indexer_kv_dtype: str) -> SimpleNamespace:
     """The parts of a VllmConfig that vLLM's MXFP4 default reads, for DeepSeek-V4."""
     return SimpleNamespace(
@@ -332,51 +303,41 @@ def dsv4_config(indexer_kv_dtype: str) -> SimpleNamespace:
     )
 
 
-def test_a_model_on_the_mxfp4_indexer_gets_one_warning_when_vllm_builds_its_config(installed, plugin_log):
-    import vllm.platforms.rocm as rocm
-
-    if VLLM.startswith("0.32."):
-        assert installed.config_watch is None and not hasattr(rocm, MXFP4_DEFAULT_FUNCTION)
+def test_doctor_model_says_a_model_on_the_mxfp4_indexer_stays_stock_and_how_to_reach_flydsl():
+    """The MXFP4 watch is doctor --model's only (the plugin no longer wraps vLLM's default at run time):
+    its verdict names vLLM's default function and the FP8 setting, in text and JSON."""
+    env = simulation_env(**{envs.SWITCH: "1"})
+    text = cli(["doctor", "--model", "deepseek_v4"], env)
+    assert text.returncode == 0, text.stderr[-2000:]
+    if VLLM.startswith("0.32."):  # no MXFP4 default: the model's other first reason
+        assert "deepseek_v4 runs aiter's MXFP4 indexer" not in text.stdout
         return
-    active = len(plugin_log)
+    assert f"  verdict:        stays stock: {mxfp4_reason('deepseek_v4')}" in text.stdout, text.stdout
+    assert FP8_SETTING in text.stdout and MXFP4_DEFAULT_FUNCTION in text.stdout
+    model = json.loads(cli(["doctor", "--json", "--model", "deepseek_v4"], env).stdout)["model"]
+    assert model["reaches_flydsl"] is False and model["reason"] == mxfp4_reason("deepseek_v4")
+    assert model["indexer_path"].startswith("MXFP4") and model["fp8_setting"] == FP8_SETTING
+    strict = cli(["doctor", "--strict", "--model", "deepseek_v4"], env)
+    assert strict.returncode == 1 and "deepseek_v4 runs aiter's MXFP4 indexer" in strict.stderr
+
+
+def test_the_active_plugin_leaves_vllms_mxfp4_default_alone_and_logs_nothing(installed, plugin_log):
+    """No run-time watch: vLLM's own function stays in place, and a config it switches to MXFP4 gives no
+    plugin line (doctor --model is where an operator learns the model stays stock)."""
+    import vllm.platforms.rocm as rocm
+
+    if VLLM.startswith("0.32."):
+        assert not hasattr(rocm, MXFP4_DEFAULT_FUNCTION)
+        return
+    default = getattr(rocm, MXFP4_DEFAULT_FUNCTION)
+    assert not hasattr(default, "__wrapped__") and default.__module__ == "vllm.platforms.rocm"
+    assert not hasattr(installed, "config_watch")
+    logged = len(plugin_log)
     config = dsv4_config("auto")
-    for _ in range(2):  # vLLM's own default, then the same config again: one line
-        getattr(rocm, MXFP4_DEFAULT_FUNCTION)(config)
+    default(config)
     assert config.attention_config.indexer_kv_dtype == "mxfp4"  # vLLM's real default ran
-    new = plugin_log[active:]
-    assert [r.levelno for r in new] == [logging.WARNING]
-    assert new[0].getMessage() == f"{MODEL_STOCK_LINE} {mxfp4_reason('deepseek_v4')}"
-    assert FP8_SETTING in new[0].getMessage()
-    # doctor --model says it in the same words.
+    assert plugin_log[logged:] == []
     assert reach.assess("deepseek_v4", None, ACTIVE)["reason"] == mxfp4_reason("deepseek_v4")
-
-
-def test_an_fp8_indexer_config_gets_no_warning_and_uninstall_restores_vllm(installed, plugin_log):
-    import vllm.platforms.rocm as rocm
-
-    from vllm_flydsl_indexer import patch
-
-    if VLLM.startswith("0.32."):
-        pytest.skip("vLLM 0.32.0 has no MXFP4 indexer to watch")
-    original = installed.config_watch[1]
-    assert getattr(rocm, MXFP4_DEFAULT_FUNCTION).__wrapped__ is original
-    active = len(plugin_log)
-    config = dsv4_config("fp8")
-    getattr(rocm, MXFP4_DEFAULT_FUNCTION)(config)
-    assert config.attention_config.indexer_kv_dtype == "fp8" and plugin_log[active:] == []
-    patch.uninstall()
-    assert getattr(rocm, MXFP4_DEFAULT_FUNCTION) is original
-
-
-def test_a_stock_plugin_leaves_the_mxfp4_default_alone(target, monkeypatch, fresh_register, plugin_log):
-    import vllm.platforms.rocm as rocm
-
-    if VLLM.startswith("0.32."):
-        pytest.skip("vLLM 0.32.0 has no MXFP4 indexer to watch")
-    before = getattr(rocm, MXFP4_DEFAULT_FUNCTION)
-    monkeypatch.setenv(envs.SWITCH, "0")
-    fresh_register()
-    assert getattr(rocm, MXFP4_DEFAULT_FUNCTION) is before and not hasattr(before, "__wrapped__")
 
 
 # ------------------------------------------------------------------ the README's table
