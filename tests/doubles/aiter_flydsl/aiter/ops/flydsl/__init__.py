@@ -4,9 +4,10 @@
 ``$AITER_DOUBLE_FLYDSL`` picks which API the name ``flydsl_fp8_paged_mqa_logits``
 means, as different aiter revisions do: ``general`` (default; aiter PR #4221),
 ``gfx950`` (the gfx950-specialised kernel), ``gfx950-early`` (its earlier
-revision for heads 32/64 and next_n 1..2, e.g. aiter 9661da3a),
+revision for heads 32/64 and next_n 1..2, e.g. aiter 9661da3a) and
 ``gfx950-padded-q`` (its revision that takes q padded to ``MAX_NN`` rows, e.g.
-aiter f5b390371d), ``none`` (an
+aiter f5b390371d), both unsupported and kept only to test that they are
+refused (tests/test_gfx950_early_revision.py), ``none`` (an
 aiter without it) or ``broken-import`` (an aiter/flydsl mismatch: importing
 raises RuntimeError).
 """

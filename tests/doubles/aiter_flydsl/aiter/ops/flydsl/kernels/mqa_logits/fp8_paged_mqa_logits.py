@@ -3,8 +3,8 @@
 
 Reproduces the real wrapper's asserts, so any call the adapter lets through
 that the real kernel would reject fails the tests. ``BROKEN`` makes it
-deliberately wrong (for the verify-on-enable canary tests); ``SHORT_BY_ONE``
-makes it leave the last column of every row's window unwritten. Under
+deliberately wrong and ``SHORT_BY_ONE`` makes it leave the last column of every
+row's window unwritten (the self-test must catch both: tests/test_selftest.py). Under
 ``$AITER_DOUBLE_FLYDSL=gfx950-padded-q`` or ``gfx950-early`` this module is what
 it is in those aiter revisions: a shim re-exporting the gfx950 kernel.
 """
