@@ -23,8 +23,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer.kernels import identify_flydsl
 from vllm_flydsl_indexer.envs import get_logger
+from vllm_flydsl_indexer.kernels import identify_flydsl
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import StockHooks
 from vllm_flydsl_indexer.tools.reference import make_paged_problem

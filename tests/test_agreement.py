@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from conftest import import_call_site
 from vllm_flydsl_indexer.selftest import read_window_ends
-from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.target import TARGET_MODULE
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 

@@ -18,9 +18,9 @@ import torch
 from conftest import call_site_or_skip
 from test_agreement import poison_workspace
 from vllm_flydsl_indexer.selftest import read_window_ends
-from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.target import TARGET_MODULE, multi_row_objection
 from vllm_flydsl_indexer.tools.audit import CALL_SITES
+from vllm_flydsl_indexer.tools.harness import compare_in_windows
 from vllm_flydsl_indexer.tools.paths import call_site_in
 from vllm_flydsl_indexer.tools.reference import fp8_paged_mqa_logits_reference, make_paged_problem
 
