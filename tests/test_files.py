@@ -18,9 +18,10 @@ import pytest
 from conftest import simulation_env
 from test_cli import CLI, PACKAGE_ROOT, cli, no_gpu, no_vllm_env, rejected
 from test_reach import FIRST_REASON, VLLM
-from vllm_flydsl_indexer import envs, files, tuning
+from vllm_flydsl_indexer import envs, tuning
 from vllm_flydsl_indexer.envs import TABLE_IGNORED_LINE
-from vllm_flydsl_indexer.tools import outputs, reach, tune
+from vllm_flydsl_indexer.tools import files, outputs, reach, tune
+from vllm_flydsl_indexer.tools import tuned as validator
 
 ONE_ROW = {
     "gfx": "gfx950",
@@ -113,7 +114,7 @@ def test_read_refuses_what_is_not_a_regular_file_and_reads_nothing(tmp_path, fif
 
 
 @pytest.mark.parametrize("which", ["fifo", "/dev/zero", "oversized", "directory"])
-def test_the_plugin_ignores_such_a_table_with_one_warning(which, tmp_path, fifo, caplog):
+def test_the_plugin_ignores_such_a_table_with_one_warning(which, tmp_path, fifo, caplog, monkeypatch):
     path = {"fifo": str(fifo), "/dev/zero": "/dev/zero", "directory": str(tmp_path)}.get(which)
     if which == "oversized":
         path = str(tmp_path / "big.csv")
@@ -121,11 +122,17 @@ def test_the_plugin_ignores_such_a_table_with_one_warning(which, tmp_path, fifo,
             f.write(table_text([ONE_ROW]))
             f.truncate(files.MAX_READ_BYTES + 1)
     logger = logging.getLogger("test_files.tuning")
+    monkeypatch.setenv(envs.TUNED_CSV, path)
     with caplog.at_level(logging.WARNING, logger=logger.name):
-        assert within(10, tuning.load, path, "gfx950", logger) is None
+        table, label = within(10, tuning.load, "general", "gfx950", logger)  # the plugin's capped read
+    assert table is None and label.startswith("no measurement for the general FlyDSL kernel")
     (record,) = caplog.records
-    assert record.getMessage().startswith(f"{TABLE_IGNORED_LINE} {path}")
-    assert "regular file" in record.getMessage() or "larger than" in record.getMessage()
+    assert record.getMessage().startswith(f"{TABLE_IGNORED_LINE} {path}: OSError: ")
+    assert record.getMessage().endswith(
+        f"{path} is not a regular file; trying the next source"
+        if which != "oversized"
+        else f"{path} is larger than {files.MAX_READ_BYTES} bytes; trying the next source"
+    ), record.getMessage()
 
 
 def test_a_regular_table_through_a_link_still_loads(tmp_path):
@@ -133,7 +140,7 @@ def test_a_regular_table_through_a_link_still_loads(tmp_path):
     real.write_text(table_text([ONE_ROW]))
     (tmp_path / "link.csv").symlink_to(real)
     table = tuning.read(str(tmp_path / "link.csv"), "gfx950")
-    assert table.rows == 1
+    assert table.skipped == 0 and table.choice(256, 1, 1, 64, 128, 64) == ("flydsl", 1, 0, None)
 
 
 @pytest.mark.slow
@@ -145,10 +152,14 @@ def test_doctor_reports_a_fifo_table_and_ray_file_as_ignored_and_exits_0(tmp_pat
     done = cli(["doctor", "--json"], env, timeout=120)  # a hang fails here
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
-    assert data["tuned_table"]["note"].startswith("IGNORED: ") and "a FIFO" in data["tuned_table"]["note"]
+    # doctor reads the table as the plugin does (one capped read): the plugin's words.
+    note = data["tuned_table"]["note"]
+    assert note.startswith("IGNORED: ") and f"{fifo} is not a regular file" in note, note
     assert "a FIFO, not a regular file" in data["ray_non_carry_over"]["note"]
     zero = cli(["doctor"], {**env, envs.TUNED_CSV: "/dev/zero"}, timeout=120)
-    assert zero.returncode == 0 and "IGNORED" in zero.stdout and "a character device" in zero.stdout
+    assert (
+        zero.returncode == 0 and "IGNORED: /dev/zero: OSError: /dev/zero is not a regular file" in zero.stdout
+    )
 
 
 # ------------------------------------------------------------------ writes
@@ -279,7 +290,7 @@ def test_a_tuned_table_never_gets_two_rows_of_one_key():
     later = dict(ONE_ROW, backend="gluon", ChunkK=16, WavePerEU=2, us=2.0)
     other = dict(ONE_ROW, batch_size=8)
     text, kept = tune.table_text([], [first, other, later])
-    rows = list(tuning.read_rows(text.splitlines(keepends=True), "t.csv"))
+    rows = list(validator.read_rows(text.splitlines(keepends=True), "t.csv"))
     # the later measurement of batch 1 replaces the earlier one; batch 8 is another key
     assert kept == 0 and sorted((r.batch, r.backend) for r in rows) == [(1, "gluon"), (8, "flydsl")]
 
