@@ -3,8 +3,8 @@
 #
 # For each arm (stock, then flydsl) it starts `vllm serve` with the arm's switch,
 # waits for /health, checks the plugin's per-process log line, runs lm-eval against
-# the server's /v1/completions for each task, checks the log line again (a failed
-# verify canary turns a process stock mid-run), and stops the server. Then
+# the server's /v1/completions for each task, checks the log lines again (a shape whose
+# self-test or launch fails turns stock mid-run), and stops the server. Then
 # ab_table.py prints stock, flydsl, difference and its standard error per metric.
 #
 # Usage:

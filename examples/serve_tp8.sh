@@ -13,9 +13,6 @@
 #   EXTRA_SERVE_ARGS [""]  extra `vllm serve` flags, split on spaces
 #   HEALTH_TIMEOUT [3600]  seconds to wait for /health
 # Passed through to vLLM as they are, if you set them:
-#   VLLM_FLYDSL_INDEXER_VERIFY=1  per-process canary: the first eligible call runs both
-#     kernels and compares; on disagreement that process logs an ERROR containing
-#     "paged MQA logits DISAGREE" and uses the stock kernel from then on
 #   VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM=1  let a vLLM newer than 0.33.x through
 #   TUNED_CSV=FILE  an aiter-format tuned table (`vllm-flydsl-indexer bench --tune`),
 #     passed as VLLM_FLYDSL_INDEXER_TUNED_CSV: per shape FlyDSL or stock, measured
@@ -31,8 +28,11 @@
 #   3. waits for /health, then checks the plugin's one line per process:
 #        grep -c "FlyDSL paged MQA logits ACTIVE" "$LOG"   # flydsl: >= TP (every worker)
 #   4. keeps serving until Ctrl-C (or SIGTERM), then stops the server and its workers.
-#      With the canary on, `grep "paged MQA logits DISAGREE" "$LOG"` after the first
-#      requests tells whether any process fell back.
+#      Each shape's first call checks FlyDSL against stock (the self-test); a shape that
+#      fails logs an ERROR ending "use the stock path until vLLM restarts":
+#      `grep "use the stock path until vLLM restarts" "$LOG"` tells whether any fell back.
+#   Before serving, `vllm-flydsl-indexer doctor --model DIR` (a model directory or type)
+#   says whether the model's indexer calls the patched function at all.
 set -euo pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
