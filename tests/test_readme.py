@@ -76,12 +76,12 @@ def test_the_first_sentence_scopes_amds_measurements_to_what_they_measured():
 
     from vllm_flydsl_indexer import tuning
 
-    with open(tuning.BUILTIN.path()) as f:
+    with open(tuning.BUILTIN_PATH) as f:
         rows = list(csv.DictReader(line for line in f if not line.startswith(tuning.COMMENT)))
     (heads,) = {r["heads"] for r in rows}
     (cus,) = {r["cu_num"] for r in rows}
     head = _first_paragraph()
-    assert f"measured: aiter's {tuning.BUILTIN.variant} kernel at {heads} heads on {cus} CUs" in head, head
+    assert f"measured: aiter's {tuning.BUILTIN_VARIANT} kernel at {heads} heads on {cus} CUs" in head, head
     assert "FlyDSL takes every eligible call" in head and "PR #4221" in head
 
 
@@ -121,3 +121,31 @@ def test_the_speed_grid_legend_says_bold_is_above_1_before_rounding():
     readme = " ".join((ROOT / "README.md").read_text().split())
     assert "in bold: FlyDSL faster, a ratio above 1 before rounding" in readme
     assert "**1.00**" in readme
+
+
+def test_the_readme_says_what_the_lean_runtime_does_and_no_longer_does():
+    """Issue 43: the canary (VERIFY) is retired and doctor notes it; a failed shape stays stock until
+    restart (the router's ERROR); an unaudited target (a fingerprint per release) stays stock naming the
+    opt-in; no run-time MXFP4 line (doctor --model says it)."""
+    from vllm_flydsl_indexer import envs, gates, router, target
+    from vllm_flydsl_indexer.tools import doctor
+
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    hint = doctor.verify_hint({doctor.VERIFY: "1"})
+    assert doctor.verify_hint({}) is None and "check --device and bench compare the two arms" in hint
+    assert (
+        f"`{doctor.VERIFY}` (the canary) is retired and ignored: `doctor` notes it where it is set, and "
+        "`check --device` and `bench` compare the two arms on your GPU." in readme
+    )
+    assert readme.count("VERIFY") == 1 and readme.count("canary") == 1
+    assert "use the stock path until vLLM restarts" in router.STAYS_STOCK
+    assert "stays stock until vLLM restarts, and its one ERROR says so" in readme
+    assert "this shape uses the stock path until vLLM restarts" in readme
+    assert envs.ALLOW_UNTESTED_VLLM in gates.OPT_IN and len({r for r, _ in target.AUDITED.values()}) >= 3
+    assert (
+        "a vLLM whose target function is not an audited release's code (a fingerprint per release) stays "
+        f"stock, with one WARNING naming the opt-in, `{envs.ALLOW_UNTESTED_VLLM}=1`." in readme
+    )
+    assert len(envs.ALL_VARIABLES) == 4 and "those of its four runtime variables" in readme
+    for gone in ("FlyDSL never runs for this model", "DISAGREE", "gfx950-early", "content audit"):
+        assert gone not in readme, gone
