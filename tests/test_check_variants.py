@@ -11,7 +11,6 @@ import torch
 
 from vllm_flydsl_indexer import kernels as identification
 from vllm_flydsl_indexer import tuning
-from vllm_flydsl_indexer.selftest import compare_in_windows
 from vllm_flydsl_indexer.tools import behaviour
 from vllm_flydsl_indexer.tools.arms import (
     Workspace,
@@ -22,6 +21,7 @@ from vllm_flydsl_indexer.tools.arms import (
     variant_order,
 )
 from vllm_flydsl_indexer.tools.cases import INDEXER
+from vllm_flydsl_indexer.tools.harness import compare_in_windows, with_once
 from vllm_flydsl_indexer.tools.reference import VARIANT_CONTRACTS, expected_split_kv
 
 LOGGER = logging.getLogger("test_check_variants")
@@ -30,24 +30,25 @@ LOGGER = logging.getLogger("test_check_variants")
 @pytest.mark.parametrize("contract", VARIANT_CONTRACTS, ids=lambda c: c.name)
 def test_reference_contracts_match_what_identification_reads_from_the_doubles(contract, aiter_as):
     aiter_as(flydsl=contract.name)
-    found = identification.find_kernel().variant
+    found, _ = identification.find_kernel()
     assert found is not None and found.name == contract.name
-    assert found.limits == contract_limits(contract)
+    limits = contract_limits(contract)
+    assert {name: getattr(found, name) for name in limits} == limits
     assert found.split_kv_workgroups_per_cu == contract.split_kv_wg_per_cu
 
 
 def test_the_found_api_runs_first():
-    assert [c.name for c in variant_order("gfx950-early")] == ["gfx950-early", "general", "gfx950"]
-    assert [c.name for c in variant_order(None)] == ["general", "gfx950", "gfx950-early"]
-    assert [c.name for c in variant_order("dispatcher")] == ["general", "gfx950", "gfx950-early"]
+    assert [c.name for c in variant_order("gfx950")] == ["gfx950", "general"]
+    assert [c.name for c in variant_order(None)] == ["general", "gfx950"]
+    assert [c.name for c in variant_order("dispatcher")] == ["general", "gfx950"]
 
 
 def test_aiter_columns_are_the_plugins_and_the_table_never_crashes():
     assert behaviour.AITER_COLUMNS == tuning.COLUMNS
     table = behaviour.tuned_table(1, 32, 128)
-    assert table.choice(1, 1, 1, 32, 128, 64).wg_per_cu == 2
-    assert table.choice(1, 2, 1, 32, 128, 64).backend == "flydsl"  # the other gfx's row is not read
-    assert table.choice(1, 2, 2, 32, 128, 64).backend == "gluon"
+    assert table.choice(1, 1, 1, 32, 128, 64)[2] == 2  # wg_per_cu
+    assert table.choice(1, 2, 1, 32, 128, 64)[0] == "flydsl"  # the other gfx's row is not read
+    assert table.choice(1, 2, 2, 32, 128, 64)[0] == "gluon"
 
 
 def test_expected_split_kv_is_aiters_rule():
@@ -56,13 +57,13 @@ def test_expected_split_kv_is_aiters_rule():
     assert expected_split_kv(1, 2, 256, 64, 3) == 2
 
 
-@pytest.mark.parametrize("flydsl", ["general", "gfx950", "gfx950-early"])
+@pytest.mark.parametrize("flydsl", ["general", "gfx950"])
 def test_nothing_is_launched_on_a_strided_cache(flydsl, aiter_as, aiter_calls):
     """Counted at the kernel: the earlier gfx950 double copies a strided cache and never raises."""
     from vllm_flydsl_indexer.router import FlyDSLRouter
 
     aiter_as(flydsl=flydsl)
-    variant = identification.find_kernel().variant
+    variant, _ = identification.find_kernel()
     launches = []
 
     def counted(*args, **kwargs):
@@ -75,7 +76,9 @@ def test_nothing_is_launched_on_a_strided_cache(flydsl, aiter_as, aiter_calls):
     assert not strided.kv_cache.is_contiguous() and strided.kv_cache.shape == contiguous.kv_cache.shape
     workspace = Workspace(8, behaviour.CONTEXT_LEN, torch.device("cpu"))
     stock = stock_call(reference_arms().gluon, workspace)
-    router = FlyDSLRouter(stock, dataclasses.replace(variant, fn=counted), mirror_hooks(workspace), LOGGER)
+    router = FlyDSLRouter(
+        stock, dataclasses.replace(variant, fn=counted), mirror_hooks(workspace), with_once(LOGGER)
+    )
     router.call_from(INDEXER, *contiguous.call_args())
     # The shape's self-test (FlyDSL at SplitKV 1 and at the largest reachable where the API takes
     # SplitKV, else once), then the call.
@@ -116,7 +119,7 @@ def test_check_puts_the_found_api_first(aiter_as, target, workspace, capsys):
     assert "model and bounds cases, as the gfx950 API (its reference contract)" in out
     assert "\nas the gfx950 API (found)\n" in out
     assert out.index("as the gfx950 API (found)") < out.index("\nas the general API\n")
-    assert out.index("as the gfx950 API (found)") < out.index("\nas the gfx950-early API\n")
+    assert "gfx950-early" not in out  # refused as an unsupported revision: no section of its own
     assert lines[-1] == "68 passed, 0 failed (reference contracts, not the real kernels)"
 
 
@@ -128,7 +131,7 @@ def test_check_passes_on_a_device_with_many_cus(monkeypatch, target, workspace, 
     from vllm_flydsl_indexer import kernels
     from vllm_flydsl_indexer.tools import cli
 
-    monkeypatch.setattr(kernels, "_device_cu_count", lambda kind, index: 132 if kind == "cpu" else 1)
+    monkeypatch.setattr(kernels, "_cu_count", lambda kind, index: 132 if kind == "cpu" else 1)
     rc = cli.main(["check", "--batch", "4", "--context-len", "320", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0, [line for line in out.splitlines() if line.startswith("FAIL")]
