@@ -98,37 +98,37 @@ def gcn_arch() -> str | None:
 
 def _platform_gates() -> list[tuple[str, bool | None, str]]:
     """ROCm, gfx950, then vLLM's own cheap aiter questions (``VLLM_ROCM_USE_AITER``, ``find_spec``)."""
+    names, found = ("rocm", "gfx950", "aiter"), []
     try:
         from vllm.platforms import current_platform
 
-        if not current_platform.is_rocm():
-            name = type(current_platform).__name__
-            return [("rocm", False, f"not ROCm (vLLM platform: {name})"), ("gfx950", None, "not ROCm")]
+        rocm = bool(current_platform.is_rocm())
+        platform = type(current_platform).__name__
+        found.append(
+            ("rocm", rocm, "vLLM platform is ROCm" if rocm else f"not ROCm (vLLM platform: {platform})")
+        )
+        if rocm:
+            from vllm.platforms.rocm import on_gfx950
+
+            ok, arch = bool(on_gfx950()), gcn_arch()
+            found.append(
+                ("gfx950", ok, f"vLLM reports gfx950 ({arch})" if ok else f"not gfx950 (vLLM reports {arch})")
+            )
+        if found[-1][1]:
+            import vllm.envs as vllm_envs
+
+            if not vllm_envs.VLLM_ROCM_USE_AITER:
+                found.append(("aiter", False, "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter"))
+            elif importlib.util.find_spec("aiter") is None:
+                found.append(
+                    ("aiter", False, "aiter is not installed (importlib.util.find_spec('aiter') is None)")
+                )
+            else:
+                found.append(("aiter", True, "VLLM_ROCM_USE_AITER=1 and aiter is installed"))
     except Exception as e:  # noqa: BLE001 - report, never raise into vLLM
-        return [("rocm", False, f"vLLM platform unavailable ({type(e).__name__}: {e})"), ("gfx950", None, "")]
-    found = [("rocm", True, "vLLM platform is ROCm")]
-    try:
-        from vllm.platforms.rocm import on_gfx950
-
-        arch = gcn_arch()
-        if not on_gfx950():
-            return [*found, ("gfx950", False, f"not gfx950 (vLLM reports {arch})"), ("aiter", None, "")]
-        found.append(("gfx950", True, f"vLLM reports gfx950 ({arch})"))
-        import vllm.envs as vllm_envs
-
-        if not vllm_envs.VLLM_ROCM_USE_AITER:
-            return [*found, ("aiter", False, "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter")]
-        if importlib.util.find_spec("aiter") is None:
-            return [
-                *found,
-                ("aiter", False, "aiter is not installed (importlib.util.find_spec('aiter') is None)"),
-            ]
-    except Exception as e:  # noqa: BLE001
-        return [
-            *found,
-            (("aiter" if len(found) == 2 else "gfx950"), False, f"unreadable ({type(e).__name__}: {e})"),
-        ]
-    return [*found, ("aiter", True, "VLLM_ROCM_USE_AITER=1 and aiter is installed")]
+        what = ("vLLM platform unavailable", "arch unreadable", "aiter unreadable")[len(found)]
+        found.append((names[len(found)], False, f"{what} ({type(e).__name__}: {e})"))
+    return found + [(name, None, f"the {found[-1][0]} gate failed") for name in names[len(found) :]]
 
 
 def check_target(

@@ -133,22 +133,16 @@ class KernelVariant:
             return f"kv_cache index_dim={index_dim} < head_dim + 4"
         if num_blocks * block_size * index_dim >= I32_OFFSET_LIMIT:
             return "kv_cache pool is 2**31 bytes or more (FlyDSL uses i32 offsets)"
+        # A reason names no batch-sized dimension: the stock line is logged once per shape, not per batch.
         if weights.dtype != torch.float32 or tuple(weights.shape) != (batch * next_n, heads):
-            return f"weights ({weights.dtype}, {tuple(weights.shape)}) are not float32 (B*next_n, H)"
+            return f"weights ({weights.dtype}, {weights.dim()}-D) are not float32 (B*next_n, {heads})"
         if not weights.is_contiguous():  # aiter's gfx950 wrapper asserts it, its dispatcher requires it
-            return f"weights are not contiguous (strides {tuple(weights.stride())})"
-        if (
-            context_lens.dtype != torch.int32
-            or context_lens.dim() not in (1, 2)
-            or len(context_lens) != batch
-        ):
-            return (
-                f"context_lens ({context_lens.dtype}, {tuple(context_lens.shape)}) are not int32 with B rows"
-            )
-        if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or len(block_tables) != batch:
-            return (
-                f"block_tables ({block_tables.dtype}, {block_tables.dim()}-D) are not int32 (B, max_blocks)"
-            )
+            return "weights are not contiguous"
+        lens, tables = context_lens, block_tables
+        if lens.dtype != torch.int32 or lens.dim() not in (1, 2) or len(lens) != batch:
+            return f"context_lens ({lens.dtype}, {lens.dim()}-D) are not int32 with B rows"
+        if tables.dtype != torch.int32 or tables.dim() != 2 or len(tables) != batch:
+            return f"block_tables ({tables.dtype}, {tables.dim()}-D) are not int32 (B, max_blocks)"
         problem = self.shape_violation(heads, head_dim, block_size, index_dim, next_n)
         if problem is None and self.gfx950 and not q_fp8.is_contiguous():
             problem = "q_fp8 is not contiguous"

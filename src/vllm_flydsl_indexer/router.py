@@ -1,28 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
 """The route: the rules of the decode step, the memo, the guards and the one net. Imports no vLLM.
 
-:class:`FlyDSLRouter` is what the patch installs in place of ``rocm_fp8_paged_mqa_logits``. A call is
-either taken, and launched on the identified FlyDSL API, or handed to the original unchanged. The
-decision reads shapes, dtypes, strides, Python arguments and the calling module, never a tensor value:
-no host sync, and the same during CUDA/HIP graph capture as outside it.
+:class:`FlyDSLRouter` replaces ``rocm_fp8_paged_mqa_logits``: a call is taken and launched on the
+identified FlyDSL API, or handed to the original unchanged. It reads shapes, dtypes, strides, Python
+arguments and the calling module, never a tensor value: no host sync, the same inside graph capture.
 
-**The rules** (:func:`objection`), in order, the first reason being what the log says, once per shape:
-only the call stock sends to aiter's Gluon; a layer-contiguous cache; the found API's exact contract;
-written columns equal read columns, per caller; stock's ``Preshuffle``; with aiter's dispatcher, only its
-FlyDSL picks; a measured table's per-shape choice. None reads vLLM's modules (stock's questions go to the
-hooks resolved at start-up), so the verdict is memoised on the call's signature (its shapes, the cache's
-contiguity, ``max_model_len``, ``compress_ratio`` and the caller). A stock
-verdict is reused as it is; a FlyDSL verdict is launched only while the call's other facts
-(:func:`call_facts`) are the ones it was decided on.
-
-**The guards**: no first-time compile or self-test inside graph capture; a shape proves itself
-(:mod:`~vllm_flydsl_indexer.selftest`, once per shape and kind of bounds) at its first call outside
-capture; a shape whose self-test or kernel failed stays stock until the process restarts.
-
-**One net.** Everything the router does for a call runs inside one ``try``: any exception gives the
-caller stock's answer, one ERROR, and that shape stays stock. A kernel's argument check
-(:data:`ARGUMENT_ERRORS`) rejects only that call signature's route. Only stock's own call runs outside
-the net, so what it raises reaches vLLM exactly as without the plugin.
+* **The rules** (:func:`objection`), in order; the first reason is what the log says, once per shape. None
+  reads vLLM (stock's questions go to the hooks), so the verdict is memoised on the call's signature; a
+  FlyDSL verdict is launched only while the call's other facts (:func:`call_facts`) are the same.
+* **The guards**: no first-time compile or self-test inside capture; a shape proves itself
+  (:mod:`~vllm_flydsl_indexer.selftest`) at its first call outside capture; a failed shape stays stock.
+* **One net**: everything the router does runs in one ``try``; any exception gives stock's answer, one
+  ERROR, and the shape stays stock (an argument check, :data:`ARGUMENT_ERRORS`, only that signature).
+  Only stock's own call runs outside it, so what it raises reaches vLLM as without the plugin.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The self-test: FlyDSL proves itself against stock, once per shape, before a call depends on it.
 
-The router runs :func:`run` the first time it would launch a shape (heads, head_dim, KVBlockSize,
-next_n and the kind of bounds: one length per sequence, or vLLM's ``(B, next_n)`` table) outside graph
-capture: in vLLM's eager warm-up before it captures, or at the op's first eager run with breakable
-graphs. Not per batch, not per SplitKV: its launches cover the knob's range (SplitKV 1 and the largest
-a live launch of the shape reaches), and they run FlyDSL itself, never a kernel chosen for it.
-:func:`synthetic` builds the small problem: four sequences (empty, a partial block, whole blocks,
-several blocks), finite fp8 values and positive scales everywhere the kernels read, well under
-:data:`MAX_BYTES` whatever the served ``max_model_len``.
+The router runs :func:`run` at a shape's (and kind of bounds') first launch outside graph capture, not per
+batch: its launches cover SplitKV's range and run FlyDSL itself. :func:`synthetic` builds the problem: four
+sequences (empty, a partial block, whole blocks, several), well under :data:`MAX_BYTES`.
 
-**The agreement rule** (:func:`compare_in_windows`), which the self-test, ``check``, ``bench`` and
-``tune`` share, inside the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) /
-sum(x^2 + y^2) < 1e-3`` over the finite entries (exact equality between reference contracts); identical
-top-k index sets. Imports no vLLM.
+**The agreement rule** (:func:`compare_in_windows`), shared with ``check``, ``bench`` and ``tune``, inside
+the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) / sum(x^2 + y^2) < 1e-3`` over the
+finite entries (exact equality between reference contracts); identical top-k index sets. No vLLM.
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """What vLLM is: the patched function, the code of it we audited, its objects resolved once, its callers.
 
-* **The target**: ``rocm_fp8_paged_mqa_logits`` and its signature.
-* **Its fingerprint** (:func:`fingerprint`): the router takes only the calls the original sends to aiter's
-  gfx950 Gluon kernel and launches FlyDSL with what it passes Gluon, so the original must be code we
-  audited (``docs/vllm-audit.md``). The fingerprint is a hash of the function's syntax tree, comments,
-  docstring and formatting left out; :data:`AUDITED` holds one per audited release. Anything added (an
-  early return, a FlyDSL route of vLLM's own) is another fingerprint, and vLLM stays stock.
-* **Its objects** (:func:`vllm_stock_hooks`): every vLLM name the router's stock side uses, resolved at
-  install, so per call the router reads no vLLM module attribute.
-* **Its callers** (:data:`MULTI_ROW`): FlyDSL writes row ``(b, i)`` over ``[0, L_b - next_n + i]``, which
-  equals what the consumers read only for vLLM's native ``(B, next_n)`` table, so ``next_n > 1`` is taken
-  only from a call site audited to pass it (``tools/audit.py`` holds the whole record).
-
-No vLLM at import; torch only for the hooks' buffer.
+The router takes only the calls the original sends to aiter's gfx950 Gluon kernel and launches FlyDSL with
+what it passes Gluon, so the original must be code we audited (``docs/vllm-audit.md``): :func:`fingerprint`
+hashes its syntax tree (comments, docstring and formatting left out) and :data:`AUDITED` holds one per
+release; anything added (an early return, a FlyDSL route of vLLM's own) is another fingerprint. The hooks
+(:func:`vllm_stock_hooks`) resolve every vLLM name the router's stock side uses at install. The callers
+(:data:`MULTI_ROW`): ``next_n > 1`` is taken only from a call site audited to pass vLLM's native ``(B,
+next_n)`` bounds (``tools/audit.py`` holds the whole record). No vLLM at import.
 """
 
 from __future__ import annotations
