@@ -327,12 +327,14 @@ class PlantedKernel:
             self.paged_launches += 1
             if self.paged_launches > 1:
                 raise RuntimeError("planted by check: the FlyDSL launch failed")
-        before = out[0, 0].clone()
+        before = out[-1, 0].clone()
         result = self.reference(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
         if self.fault == "wrong":
             out.neg_()  # wrong under any tolerance: values, -inf masks and top-k sets all differ
         elif self.fault == "unwritten":
-            out[0, 0] = before  # one read column left as it was: the self-test's NaN poison shows it
+            # One read column left as it was: the last row's first (the self-test's first sequence is empty,
+            # its last the longest); the self-test's NaN poison shows it.
+            out[-1, 0] = before
         elif self.fault == "reversed" and q_fp8.shape[1] > 1:
             rows = out.view(q_fp8.shape[0], q_fp8.shape[1], -1)
             rows.copy_(rows.flip(1))
