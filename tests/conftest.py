@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vllm_flydsl_indexer.envs import get_logger
 from vllm_flydsl_indexer.kernels import identify_flydsl
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import StockHooks
+from vllm_flydsl_indexer.tools.harness import plugin_logger
 from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
 TESTS = Path(__file__).resolve().parent
@@ -230,7 +230,7 @@ def forget_once() -> None:
 # The router on its own (no vLLM): what tests that build a router by hand share.
 
 # vLLM's logger for the plugin, as register() gets it (its info_once/warning_once/error_once included).
-LOGGER = get_logger()
+LOGGER = plugin_logger()  # where vLLM is absent (the device runs), a stdlib logger with the same methods
 
 
 class Recorder:
