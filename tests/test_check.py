@@ -372,7 +372,7 @@ def test_check_applies_the_found_variants_contract(
     from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
     aiter_as(flydsl=flydsl, dispatcher=dispatcher)
-    variant = kernels.find_kernel().variant
+    variant, _ = kernels.find_kernel()
     assert variant is not None and variant.name == ("dispatcher" if dispatcher else flydsl)
     found = arms_module.Arms(
         False, f"doubles ({variant.name})", "", gluon_contract_reference, variant.fn, variant
