@@ -803,3 +803,25 @@ def test_doctor_says_what_stock_runs_gluon_only_on_a_rocm_gfx950_vllm():
         )
     # This process simulates gfx950 with aiter on: there, and only there, stock is Gluon.
     assert doctor.stock_report({"vllm_platform": "RocmPlatform", "gcn_arch": "gfx950:sramecc+"}) == "Gluon"
+
+
+def test_doctor_notes_the_retired_verify_variable_only_where_it_is_set():
+    """Issue 43: the canary is gone; a set VLLM_FLYDSL_INDEXER_VERIFY gets one note in doctor (text and
+    JSON) pointing to check --device and bench, and changes nothing else."""
+    from vllm_flydsl_indexer.tools import doctor
+
+    env = {envs.SWITCH: "1"}
+    plain = doctor.report(env)
+    assert plain["verify"] is None and "VERIFY" not in doctor.render(plain)
+    for value in ("1", "0", "bogus"):
+        data = doctor.report({**env, doctor.VERIFY: value})
+        note = data["verify"]
+        assert (
+            note.startswith(f"{doctor.VERIFY} is retired and ignored") and "check --device and bench" in note
+        )
+        assert f"note:     {note}" in doctor.render(data).splitlines()
+        assert (data["arm"], data["log_line"], data["gates"]) == (
+            plain["arm"],
+            plain["log_line"],
+            plain["gates"],
+        )
