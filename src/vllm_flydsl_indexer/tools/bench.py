@@ -469,8 +469,10 @@ def main(args) -> int:
     """``bench`` without ``--tune`` (the CLI sends ``--tune`` to ``tune.main``)."""
     with StopSignal("shape", per_call=True) as stop:
         results, meta = run(args, stop)
-        print(render(results, meta))
+        # Every file first, then the report: a stdout that fails (closed, full, a reader gone) loses
+        # nothing (tools/streams.py).
         written, unwritten = write_outputs(results, meta, args)
+    print(render(results, meta))
     for line in written:
         print(line)
     for line in unwritten:

@@ -153,12 +153,12 @@ def shape_fits(
     return None
 
 
-# What a SIGINT or SIGTERM does, as --help says it (tools/interrupt.py).
+# What a SIGINT, SIGTERM or SIGHUP does, as --help says it (tools/interrupt.py).
 STOP_CHECK = (
-    "A SIGINT or SIGTERM stops after the current case (a few calls) and reports the cases that ran; "
+    "A SIGINT, SIGTERM or SIGHUP stops after the current case (a few calls) and reports the cases that ran; "
     "a second stops at once; exit 130 either way."
 )
 STOP_BENCH = (
-    "A SIGINT or SIGTERM stops at the next timed call (within one call, whatever --repeats), drops the "
-    "shape under way and writes what finished; a second stops at once; exit 130 either way."
+    "A SIGINT, SIGTERM or SIGHUP stops at the next timed call (within one call, whatever --repeats), "
+    "drops the shape under way and writes what finished; a second stops at once; exit 130 either way."
 )
