@@ -12,12 +12,20 @@ import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO
 
 from vllm_flydsl_indexer.files import FileRefused, kind_of
 
-__all__ = ["OUTPUT_RULE", "kind_problem", "outputs_problem", "write_atomic", "write_atomic_bytes"]
+__all__ = [
+    "OUTPUT_RULE",
+    "kind_problem",
+    "lock_path",
+    "locked",
+    "outputs_problem",
+    "write_atomic",
+    "write_atomic_bytes",
+]
 
 # What every output accepts, as --help says it.
 OUTPUT_RULE = (
@@ -132,3 +140,37 @@ def write_atomic(path: str, text: str, newline: str | None = None) -> None:
 def write_atomic_bytes(path: str, data: bytes) -> None:
     """:func:`write_atomic` for bytes (a rendered plot)."""
     _replace_atomic(path, lambda f: f.write(data))
+
+
+def lock_path(path: str) -> str:
+    """The lock file of ``path``: ``.NAME.lock`` beside its resolved target (a link's target is the
+    file replaced, so two links to one table share one lock)."""
+    directory, name = os.path.split(os.path.realpath(path))
+    return os.path.join(directory, f".{name}.lock")
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    """Hold an exclusive lock for a read-merge-replace of ``path``: every writer that merges into a
+    shared file (``bench --tune``'s table) reads it *after* taking this lock, so none loses another's rows.
+
+    ``fcntl.flock`` on :func:`lock_path` (the file itself is replaced by a rename, so it cannot carry the
+    lock); it blocks until the holder is done and is released when the block ends, or the process dies.
+    The lock file stays, empty. Where ``fcntl`` is missing, or the lock file cannot be opened, the block
+    runs unlocked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
