@@ -11,7 +11,7 @@ import argparse
 import contextlib
 import sys
 
-from vllm_flydsl_indexer.tools import cli_args, outputs, settings, streams
+from vllm_flydsl_indexer.tools import cli_args, outputs, settings, streams, vllm_import
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow, terminate_as_interrupt
 
 __all__ = [
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     streams.occupy_closed_descriptors()
     command = "?"
-    with streams.guarded() as (out, _):
+    with streams.guarded() as (out, _), vllm_import.net():  # whatever vLLM's import raises is reported
         try:
             args = build_parser().parse_args(argv)
             command = args.command

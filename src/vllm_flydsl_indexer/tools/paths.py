@@ -147,7 +147,7 @@ def vllm_target() -> tuple[ModuleType | None, str]:
     try:
         target = importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001 - no vLLM is a reason, not an error
-        return None, f"vLLM unavailable ({type(e).__name__})"
+        return None, f"vLLM unavailable ({type(e).__name__}: {e})"
     problem = signature_problem(unpatched(vars(target).get(TARGET_NAME)))
     if problem is not None:
         return None, f"{TARGET_NAME}: {problem}"
