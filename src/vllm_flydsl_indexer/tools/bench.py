@@ -249,7 +249,11 @@ def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:
                     results.append(ArmResult(asdict(shape), "*", False, skipped))
                     continue
                 gen = torch.Generator().manual_seed(args.seed + idx)
-                problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
+                problems = []
+                for _ in range(n_sets):  # a stop is heard between builds too, not only between calls
+                    if stop is not None:
+                        stop.check()
+                    problems.append(build_problem(shape, args, gen, device))
                 p0 = problems[0]
                 out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
                 out.fill_(float("nan"))

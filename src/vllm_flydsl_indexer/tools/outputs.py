@@ -23,6 +23,7 @@ __all__ = [
     "lock_path",
     "locked",
     "outputs_problem",
+    "place_problem",
     "write_atomic",
     "write_atomic_bytes",
 ]
@@ -32,8 +33,68 @@ OUTPUT_RULE = (
     "each output is a regular file or a new one, replaced atomically; a symlink is written through to its "
     "target (a new file if there is none yet) and stays a link; refused before any work: a device, FIFO or "
     "directory, this command's own stdout or stderr (redirect the report, not an output, there), two "
-    "outputs that are one file"
+    "outputs that are one file, a path under /proc or /sys, a path ending in / that is no directory, a "
+    "file of the installed plugin, the table $VLLM_FLYDSL_INDEXER_TUNED_CSV names (but --tune merges "
+    "into it), and any path where a regular file cannot be created"
 )
+# Kernel interfaces: nothing written there is a file (``/proc/version`` took a whole run, then failed).
+KERNEL_TREES = ("/proc", "/sys")
+# The variable naming the plugin's tuned table (envs.TUNED_CSV); written here so that the tools'
+# output rule reads without the runtime wing.
+TUNED_CSV_VARIABLE = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _package_dir() -> str:
+    import vllm_flydsl_indexer
+
+    return os.path.realpath(os.path.dirname(vllm_flydsl_indexer.__file__))
+
+
+def place_problem(
+    path: str, merge_into_table: bool = False, environ: dict[str, str] | None = None
+) -> str | None:
+    """Why ``path`` is no place for an output, whatever is there now, or ``None``.
+
+    Refused: a path under /proc or /sys; a path ending in ``/`` where no such directory exists
+    (``--json out/`` would write a file named ``out``); a file of the installed plugin package (its
+    built-in table); the table ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` names, unless ``merge_into_table``
+    (``bench --tune`` merging into it); a directory where no regular file can be created (a temporary
+    file is created there and removed, as :func:`write_atomic` will).
+    """
+    env = os.environ if environ is None else environ
+    real = os.path.realpath(path)
+    for root in KERNEL_TREES:
+        if _under(real, root) or _under(os.path.abspath(path), root):
+            return f"{path} is under {root}, a kernel interface, not a file; give a file path"
+    if path.endswith(("/", os.sep)) and not os.path.isdir(path):
+        return f"{path} ends in '/' but there is no such directory; give a file path"
+    package = _package_dir()
+    if _under(real, package):
+        return f"{path} is a file of the installed vllm_flydsl_indexer package ({package}); give another path"
+    table = env.get(TUNED_CSV_VARIABLE, "").strip()
+    if table and not merge_into_table and os.path.realpath(table) == real:
+        return (
+            f"{path} is the tuned table {TUNED_CSV_VARIABLE} names (the plugin reads it); give another path"
+            " (bench --tune merges into it)"
+        )
+    directory = os.path.dirname(real)
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(real)}.", suffix=".tmp")
+    except OSError as e:
+        return f"cannot create a file beside {path} ({e.strerror or e})"
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    if not regular:
+        return f"{path}: what is created there is not a regular file; give a file path"
+    return None
 
 
 def _standard_streams() -> list[tuple[str, os.stat_result]]:

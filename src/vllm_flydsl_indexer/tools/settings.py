@@ -31,6 +31,9 @@ __all__ = [
     "I32_LIMIT",
     "LIMITS",
     "LOGIT_BYTES",
+    "MAX_INPUT_SETS",
+    "MAX_REPEATS",
+    "MAX_WARMUP",
     "PROG",
     "REAL_CHECK",
     "TUNE_GPU_GRID",
@@ -98,6 +101,12 @@ TUNE_REFERENCE_GRID = dict(heads=HEADS, block_size=(64, 1), next_n=(1, 2), batch
 TUNE_MAX_MODEL_LEN = 131072
 # bench's timing defaults per device type: (timed iterations, input sets rotated); tune's too.
 BENCH_TIMING = {"cuda": (20, 4), "cpu": (3, 2)}
+
+# The upper bounds of bench's counts: --input-sets holds that many whole inputs of a shape at once (and
+# builds each before the first timed call); --repeats and --warmup are calls, each a whole kernel call.
+MAX_INPUT_SETS = 64
+MAX_REPEATS = 100_000
+MAX_WARMUP = 10_000
 
 # bench options that --tune does not use: refused together with it, never silently ignored.
 NOT_WITH_TUNE = {

@@ -199,21 +199,25 @@ def tune_rows(
         for c, ctx in enumerate(contexts):
             gen = torch.Generator().manual_seed(args.seed + idx * len(contexts) + c)
             width = max(settings.TUNE_MAX_MODEL_LEN, ctx)
-            problems = [
-                make_paged_problem(
-                    [ctx] * batch,
-                    next_n=next_n,
-                    heads=heads,
-                    head_dim=args.head_dim,
-                    block_size=kvb,
-                    preshuffle=kvb > 1,
-                    max_model_len=width,
-                    spare_blocks=0,
-                    generator=gen,
-                    device=device,
+            problems = []
+            for _ in range(n_sets):
+                if stop is not None and stop.requested:  # heard between builds too, not only between calls
+                    sweep.interrupted = True
+                    return rows
+                problems.append(
+                    make_paged_problem(
+                        [ctx] * batch,
+                        next_n=next_n,
+                        heads=heads,
+                        head_dim=args.head_dim,
+                        block_size=kvb,
+                        preshuffle=kvb > 1,
+                        max_model_len=width,
+                        spare_blocks=0,
+                        generator=gen,
+                        device=device,
+                    )
                 )
-                for _ in range(n_sets)
-            ]
             workspace = Workspace(batch * next_n, width, device)
             p0 = problems[0]
             expected = torch.full((batch * next_n, width), float("nan"), device=device)
