@@ -82,6 +82,8 @@ def place_problem(
             " (bench --tune merges into it)"
         )
     directory = os.path.dirname(real)
+    if not os.path.isdir(directory):
+        return None  # a link to a missing directory: outputs_problem's open names it
     try:
         fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(real)}.", suffix=".tmp")
     except OSError as e:
