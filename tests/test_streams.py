@@ -213,7 +213,56 @@ def test_python_m_doctor_to_dev_full_is_one_line():
     assert done.stderr.splitlines()[-1].startswith("vllm-flydsl-indexer doctor: could not print to standard")
 
 
-def _env():
-    env = no_vllm_env()
+def _env(**extra):
+    env = no_vllm_env(**extra)
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], PACKAGE_ROOT])
     return env
+
+
+# ---------------------------------------------------------------- echoed values are safe to print
+
+HOSTILE = "\x1b[31mred\x1b]0;title\x07" + "x" * 100_000
+
+
+def test_doctor_escapes_and_shortens_what_it_echoes():
+    """Five 100 KB variables with ANSI escapes made doctor print 902 KB straight to the terminal."""
+    from vllm_flydsl_indexer import envs
+
+    values = {envs.SWITCH: HOSTILE, envs.SELFTEST: HOSTILE, envs.TUNED_CSV: "/tmp/" + HOSTILE}
+    done = subprocess.run([*CLI, "doctor"], env=_env(**values), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "\x1b" not in done.stdout and "\x07" not in done.stdout
+    assert "\\x1b[31mred" in done.stdout
+    assert len(done.stdout) < 20_000, len(done.stdout)
+    assert "more characters)" in done.stdout
+
+
+def test_an_error_line_escapes_and_shortens_the_value_it_names(capsys):
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_mod.main(["bench", "--heads", "1," * 50_000 + "\x1b[2J"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    (line,) = err.splitlines()
+    assert line.startswith("vllm-flydsl-indexer bench: error: argument --heads: ")
+    assert "\x1b" not in line and len(line) < 1000 and "more characters)" in line
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("plain", "'plain'"),
+        ("\x1b[31m", "'\\x1b[31m'"),
+        ("a\u200bb", "'a\\u200bb'"),  # a zero-width space, invisible on a terminal
+        ("y" * 205, "'" + "y" * 200 + "'... (5 more characters)"),
+    ],
+)
+def test_shown_escapes_control_characters_and_counts_what_it_cuts(value, expected):
+    assert streams.shown(value) == expected
+
+
+def test_safe_line_keeps_short_words_and_cuts_long_ones():
+    line = "switch: " + "z" * 250 + " ok"
+    assert streams.safe_line(line) == "switch: " + "z" * 200 + "... (50 more characters) ok"
+    assert streams.safe_line("tab\tand\x1b") == "tab\tand\\x1b"

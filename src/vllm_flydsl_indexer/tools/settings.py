@@ -122,7 +122,9 @@ TUNE_DRY_RUN = "add --reference for a dry run on the reference contracts (rows m
 
 def fail(prog: str, message: str) -> NoReturn:
     """Print ``prog: error: message`` as exactly one line on stderr and exit 2."""
-    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    from vllm_flydsl_indexer.tools.streams import safe_line  # an echoed value: escaped, shortened
+
+    print(safe_line(f"{prog}: error: {' '.join(message.split())}"), file=sys.stderr)
     raise SystemExit(2)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import IO, Any
@@ -28,6 +29,7 @@ __all__ = [
     "GuardedStream",
     "guarded",
     "occupy_closed_descriptors",
+    "safe_line",
     "safe_text",
     "shown",
 ]
@@ -153,3 +155,16 @@ def shown(value: object, limit: int = SHOWN_LIMIT) -> str:
     cut = len(text) - limit
     quoted = repr(text[:limit]) if cut > 0 else repr(text)
     return f"{quoted}... ({cut} more characters)" if cut > 0 else quoted
+
+
+def safe_line(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """``text`` safe to print: control characters escaped (:func:`safe_text`) and every run of
+    non-space characters over ``limit`` shortened, with a count of what was cut (an echoed value)."""
+    text = safe_text(text)
+    if len(text) <= limit:
+        return text
+    return re.sub(
+        rf"\S{{{limit + 1},}}",
+        lambda m: f"{m.group()[:limit]}... ({len(m.group()) - limit} more characters)",
+        text,
+    )
