@@ -358,9 +358,9 @@ BAD_INPUT = [
     (["bench", "--next-n", "1,,x"], "--next-n", "comma list of positive integers"),
     (["bench", "--block-size", "0"], "--block-size", "each 1 or a multiple of 16"),
     (["bench", "--head-dim", "100"], "--head-dim", "multiple of 16"),
-    (["bench", "--repeats", "0"], "--repeats", "positive integer"),
-    (["bench", "--warmup", "-1"], "--warmup", ">= 0"),
-    (["bench", "--input-sets", "0"], "--input-sets", "positive integer"),
+    (["bench", "--repeats", "0"], "--repeats", "must be an integer from 1 to"),
+    (["bench", "--warmup", "-1"], "--warmup", "must be an integer from 0 to"),
+    (["bench", "--input-sets", "0"], "--input-sets", "must be an integer from 1 to"),
     (["bench", "--pool-blocks", "-5"], "--pool-blocks", "positive integer"),
     (["bench", "--arms", "gluon,fast"], "--arms", "patched-call[ref]"),
     (["bench", "--device", "cuda:1"], "--device", "accepted here: cpu"),
@@ -396,10 +396,10 @@ BAD_INPUT = [
     (["bench", "--batch", "1,,2"], "--batch", "comma list of positive integers"),
     (["bench", "--arms", "gluon,,flydsl"], "--arms", "comma list of gluon"),
     (["check", "--block-size", "64,,1"], "--block-size", "comma list of KVBlockSize"),
-    # An output that cannot be opened (root passes os.access on /proc): refused before the run.
-    (["bench", "--csv", "/proc/out.csv"], "--csv", "cannot open /proc/out.csv for writing"),
-    (["bench", "--json", "/proc/out.json"], "--json", "cannot open /proc/out.json for writing"),
-    (["bench", "--tune", "/proc/t.csv", "--reference"], "--tune", "cannot open /proc/t.csv for writing"),
+    # A kernel interface (root passes os.access on /proc): refused before the run.
+    (["bench", "--csv", "/proc/out.csv"], "--csv", "/proc/out.csv is under /proc, a kernel interface"),
+    (["bench", "--json", "/proc/out.json"], "--json", "/proc/out.json is under /proc, a kernel interface"),
+    (["bench", "--tune", "/proc/t.csv", "--reference"], "--tune", "/proc/t.csv is under /proc, a kernel"),
     # bench --tune: options it would not use, and no gfx950 GPU (before the kernel probe).
     (["bench", "--tune", "t.csv"], "--tune", "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels"),
     (["bench", "--tune", "t.csv", "--device", "cpu"], "--tune", "got --device cpu; add --reference"),

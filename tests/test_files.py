@@ -474,8 +474,9 @@ def test_bench_help_says_what_every_output_accepts(capsys):
     assert " ".join(outputs.OUTPUT_RULE.split()) in text
 
 
-def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them():
-    """check's first table at its default sizes: numbers such as 6197/6197 leave no space to wrap at."""
+def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them_after_a_slash():
+    """check's first table at its default sizes: numbers such as 6197/6197 leave no space to wrap at,
+    so they wrap after the '/', and a number itself is never broken (issue 45: ``11640/1164``, ``0``)."""
     import random
 
     from vllm_flydsl_indexer.tools.table import WIDTH, format_table
@@ -483,22 +484,43 @@ def test_a_table_whose_words_alone_are_too_wide_still_fits_by_breaking_them():
     rng = random.Random(os.urandom(4))
 
     def word(n):
-        return "".join(rng.choice("0123456789/.e+-") for _ in range(n))
+        return "/".join(str(rng.randrange(10**4, 10**5)) for _ in range(n))
 
     header = ("case", *(f"c{i}" for i in range(8)))
     rows = [header] + [
-        (f"key {i} {word(30)}", *(word(rng.randrange(9, 14)) for _ in range(8))) for i in range(5)
+        (f"key {i} {word(5)}", *(word(rng.randrange(2, 4)) for _ in range(8))) for i in range(5)
     ]
     assert len(rows[1][0]) + sum(max(len(r[c]) for r in rows) for c in range(1, 9)) + 16 > WIDTH
     lines = format_table(rows)
     assert max(map(len, lines)) <= WIDTH, lines
     firsts = [line for line in lines[2:] if line.startswith("key ")]
     assert [line[: len(r[0])] for line, r in zip(firsts, rows[1:], strict=True)] == [r[0] for r in rows[1:]]
-    # Every character of every cell is still there, in order, column by column.
+    # Every character of every cell is still there, in order, column by column, each line's piece of a
+    # cell ending at a '/' or at the cell's end: no number is cut.
     starts = [sum(len(x) + 2 for x in lines[1].split()[:k]) for k in range(9)]
     ends = [*starts[1:], None]
-    column = {c: "".join(line[starts[c] : ends[c]].strip() for line in lines[2:]) for c in range(1, 9)}
-    assert all(column[c] == "".join(r[c] for r in rows[1:]) for c in range(1, 9))
+    pieces = {c: [line[starts[c] : ends[c]].strip() for line in lines[2:]] for c in range(1, 9)}
+    assert all("".join(pieces[c]) == "".join(r[c] for r in rows[1:]) for c in range(1, 9))
+    cells = {r[c] for r in rows[1:] for c in range(1, 9)}
+    numbers = {n for cell in cells for n in cell.split("/")}
+    for c in range(1, 9):
+        for piece in filter(None, pieces[c]):
+            assert all(n in numbers for n in piece.strip("/").split("/")), (piece, lines)
+
+
+def test_checks_read_written_column_never_breaks_a_number():
+    """The issue's case: ``11640/11640`` beside a wide key read as ``11640/1164`` and ``0``."""
+    from vllm_flydsl_indexer.tools.table import format_table
+
+    rows = [("case", "read/ written", "max rel diff", "result")]
+    rows += [("a case label " * 8, "11640/11640", "0.00e+00", "PASS")] * 7
+    lines = format_table(rows)
+    text = "\n".join(lines)
+    assert "11640/1164\n" not in text + "\n" and "1164 " not in text
+    body = lines[lines.index(next(line for line in lines if line.startswith("---"))) + 1 :]
+    assert text.count("11640/") == 7 and len(body) == 14
+    assert body[0::2] == [line for line in body if "11640/ " in line and line.endswith("PASS")], lines
+    assert [line.split() for line in body[1::2]] == [["11640"]] * 7, lines
 
 
 def test_two_outputs_that_are_hard_links_of_one_file_are_refused(tmp_path, no_work, monkeypatch, capsys):

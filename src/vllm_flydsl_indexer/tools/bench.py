@@ -253,7 +253,11 @@ def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:
                     results.append(ArmResult(asdict(shape), "*", False, skipped))
                     continue
                 gen = torch.Generator().manual_seed(args.seed + idx)
-                problems = [build_problem(shape, args, gen, device) for _ in range(n_sets)]
+                problems = []
+                for _ in range(n_sets):  # a stop is heard between builds too, not only between calls
+                    if stop is not None:
+                        stop.check()
+                    problems.append(build_problem(shape, args, gen, device))
                 p0 = problems[0]
                 out = paths.output_buffer(p0.batch * p0.next_n, p0.max_model_len)
                 out.fill_(float("nan"))
@@ -473,8 +477,10 @@ def main(args) -> int:
     """``bench`` without ``--tune`` (the CLI sends ``--tune`` to ``tune.main``)."""
     with StopSignal("shape", per_call=True) as stop:
         results, meta = run(args, stop)
-        print(render(results, meta))
+        # Every file first, then the report: a stdout that fails (closed, full, a reader gone) loses
+        # nothing (tools/streams.py).
         written, unwritten = write_outputs(results, meta, args)
+    print(render(results, meta))
     for line in written:
         print(line)
     for line in unwritten:

@@ -8,10 +8,10 @@ command imports what it needs after its arguments have been validated.
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
 import sys
 
-from vllm_flydsl_indexer.tools import cli_args, outputs, settings
+from vllm_flydsl_indexer.tools import cli_args, outputs, settings, streams, vllm_import
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow, terminate_as_interrupt
 
 __all__ = [
@@ -60,17 +60,36 @@ EXIT_BROKEN_PIPE = 141
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        with terminate_as_interrupt():  # SIGTERM outside a tool's own handlers: 130, as SIGINT
-            status = _run(args)
-            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
-        return status
-    except BrokenPipeError:
-        # The reader went away (``check | head -2``): stop quietly, as Unix tools do. stdout now
-        # points at devnull, so the interpreter's own flush at exit has nowhere to fail.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    """Run one command; its exit status is the work's verdict, whatever happens to its output.
+
+    A report that cannot be printed (stdout closed, full, unable to encode a character) costs one line
+    on stderr, never the status; a reader that went away (``| head -1``) exits 141, as Unix tools do.
+    Either way every file the command was asked to write is written first.
+    """
+    streams.occupy_closed_descriptors()
+    command = "?"
+    with streams.guarded() as (out, _), vllm_import.net():  # whatever vLLM's import raises is reported
+        try:
+            args = build_parser().parse_args(argv)
+            command = args.command
+            status: int | SystemExit = _interruptible(args)
+        except SystemExit as e:  # argparse, --help, settings.fail: their status, after the check below
+            status = e
+    if out.broken_pipe:
         return EXIT_BROKEN_PIPE
+    problem = out.problem()
+    if problem is not None:
+        with contextlib.suppress(Exception):
+            print(f"{settings.PROG} {command}: {problem}", file=sys.stderr, flush=True)
+    if isinstance(status, SystemExit):
+        raise status
+    return status
+
+
+def _interruptible(args: argparse.Namespace) -> int:
+    try:
+        with terminate_as_interrupt():  # SIGTERM or SIGHUP outside a tool's own handlers: 130, as SIGINT
+            return _run(args)
     except (StopNow, KeyboardInterrupt):
         # A second signal (StopNow), or a Ctrl-C before or after a command's own handlers.
         print(f"{settings.PROG} {args.command}: interrupted", file=sys.stderr)

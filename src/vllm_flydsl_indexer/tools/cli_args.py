@@ -41,6 +41,9 @@ from vllm_flydsl_indexer.tools.settings import (
     I32_LIMIT,
     LIMITS,
     LOGIT_BYTES,
+    MAX_INPUT_SETS,
+    MAX_REPEATS,
+    MAX_WARMUP,
     NOT_WITH_TUNE,
     PLOT_HINT,
     SEED_LIMIT,
@@ -50,6 +53,7 @@ from vllm_flydsl_indexer.tools.settings import (
     kv_pool_bytes,
     shape_fits,
 )
+from vllm_flydsl_indexer.tools.streams import shown
 
 if TYPE_CHECKING:
     from vllm_flydsl_indexer.tools.tuned import TunedRow
@@ -70,6 +74,7 @@ __all__ = [
     "non_negative_int",
     "output_path",
     "output_problem",
+    "places_problem",
     "plot_format_problem",
     "positive_int",
     "positive_int_list",
@@ -117,6 +122,20 @@ def non_negative_int(text: str) -> int:
     if value is None or value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
+
+
+def bounded_int(low: int, high: int, why: str):
+    """An argument type: an integer in ``[low, high]``; the error names both bounds and ``why``."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(
+                f"must be an integer from {low} to {high} ({why}), got {shown(text)}"
+            )
+        return value
+
+    return parse
 
 
 def seed(text: str) -> int:
@@ -308,9 +327,9 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--input-sets",
-        type=positive_int,
+        type=bounded_int(1, MAX_INPUT_SETS, "each set is a whole input, all held at once"),
         help="input sets rotated between iterations "
-        f"(default {_per_device(BENCH_TIMING['cuda'][1], BENCH_TIMING['cpu'][1])})",
+        f"(default {_per_device(BENCH_TIMING['cuda'][1], BENCH_TIMING['cpu'][1])}; at most {MAX_INPUT_SETS})",
     )
     p.add_argument(
         "--pool-blocks",
@@ -323,12 +342,16 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         help=f"comma list to run a subset of the available arms ({', '.join(BENCH_ARMS)})",
     )
     p.add_argument(
-        "--warmup", type=non_negative_int, default=3, help="untimed calls per arm before timing (default 3)"
+        "--warmup",
+        type=bounded_int(0, MAX_WARMUP, "untimed calls per arm"),
+        default=3,
+        help=f"untimed calls per arm before timing (default 3, at most {MAX_WARMUP})",
     )
     p.add_argument(
         "--repeats",
-        type=positive_int,
-        help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])})",
+        type=bounded_int(1, MAX_REPEATS, "timed calls per arm"),
+        help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])}; "
+        f"at most {MAX_REPEATS})",
     )
     _add_run_arguments(p, "run the calls over the reference contracts", "shape")
     p.add_argument("--json", dest="json_path", type=output_path, help="write results as JSON")
@@ -576,6 +599,17 @@ def _not_a_table(path: str, why: str) -> str:
 OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))
 
 
+def places_problem(args: argparse.Namespace) -> str | None:
+    """The first output whose place is refused (:func:`outputs.place_problem`), before anything reads it."""
+    for attr, flag in OUTPUTS:
+        path = getattr(args, attr, None)
+        if path:
+            problem = outputs.place_problem(path, merge_into_table=attr == "tune_path")
+            if problem is not None:
+                return f"argument {flag}: {problem}"
+    return None
+
+
 def output_problem(args: argparse.Namespace) -> str | None:
     """Every output file, checked for writing now, before the run (:func:`outputs.outputs_problem`)."""
     return outputs.outputs_problem(
@@ -594,7 +628,7 @@ def plot_format_problem(path: str, formats: dict[str, str]) -> str | None:
 
 def validate(args: argparse.Namespace) -> str | None:
     """The first problem with parsed ``check``/``bench`` arguments that needs the machine, or ``None``."""
-    problem = device_problem(args.device)
+    problem = device_problem(args.device) or (places_problem(args) if args.command == "bench" else None)
     if problem is not None:
         return problem
     if args.command == "check":

@@ -521,10 +521,17 @@ def main(as_json: bool, strict: bool, model: tuple[str, dict | None] | None = No
     data = report(model=model)
     if as_json:
         print(json.dumps(data, indent=2))
-    else:
-        print(render(data))
+    else:  # echoed values (the switch, the table path, --model) escaped and shortened
+        from vllm_flydsl_indexer.tools.streams import safe_line
+
+        print("\n".join(safe_line(line) for line in render(data).split("\n")))
     if strict and data["arm"] != "flydsl":
-        print(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})", file=sys.stderr)
+        from vllm_flydsl_indexer.tools.streams import safe_line
+
+        print(
+            safe_line(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})"),
+            file=sys.stderr,
+        )
         return 1
     if strict and "model" in data and not data["model"]["reaches_flydsl"]:
         print(

@@ -1,14 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Ctrl-C and SIGTERM for the long-running tools: keep what was measured, stop in bounded time.
 
-The first SIGINT or SIGTERM asks for a stop. ``check`` finishes the case it is
+The first SIGINT, SIGTERM or SIGHUP (a closed terminal) asks for a stop. ``check`` finishes the case it is
 on (a few calls); ``bench`` and ``bench --tune`` stop at the next timed call
 (:meth:`StopSignal.check` raises :class:`Stopped` between calls, so the bound is
 one call, not a shape's repeats) and drop the shape under way. Then they write
 and print what finished and exit :data:`EXIT_INTERRUPTED`. A second one raises
 :class:`StopNow` at once; the CLI turns that into one line and the same exit
 status, never a traceback. Outside a tool's own handlers (before, or after its
-graceful stop finished) a SIGTERM is a :class:`StopNow` too
+graceful stop finished) a SIGTERM or SIGHUP is a :class:`StopNow` too
 (:func:`terminate_as_interrupt`): one outcome, one exit status, 130.
 Output files are replaced atomically (``tools.outputs.write_atomic``), so an interrupted
 write leaves the old file, never half of a new one.
@@ -41,7 +41,9 @@ __all__ = [
 ]
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP (a closed terminal or ssh session) is handled as SIGTERM: what finished is kept.
+HANGUPS = tuple(getattr(signal, name) for name in ("SIGHUP",) if hasattr(signal, name))
+SIGNALS = (signal.SIGINT, signal.SIGTERM, *HANGUPS)
 
 
 class StopNow(BaseException):
@@ -54,8 +56,8 @@ class Stopped(Exception):
 
 @contextlib.contextmanager
 def terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM raises :class:`StopNow` while the command runs (main thread only), as SIGINT raises
-    ``KeyboardInterrupt``: the CLI exits 130 for either, never 143 for one and 130 for the other."""
+    """SIGTERM and SIGHUP raise :class:`StopNow` while the command runs (main thread only), as SIGINT
+    raises ``KeyboardInterrupt``: the CLI exits 130 for each, never 143 for one and 130 for another."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -63,17 +65,29 @@ def terminate_as_interrupt() -> Iterator[None]:
     def stop_now(signum: int, frame: FrameType | None) -> None:
         raise StopNow(signal.Signals(signum).name)
 
-    previous = signal.signal(signal.SIGTERM, stop_now)
+    previous = _install((signal.SIGTERM, *HANGUPS), stop_now)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _install(signums: tuple[int, ...], handler: Any) -> dict[int, Any]:
+    """Set ``handler`` for each signal, the previous handlers returned; a SIGHUP that was ignored
+    (``nohup``) stays ignored."""
+    previous = {}
+    for signum in signums:
+        if signum in HANGUPS and signal.getsignal(signum) == signal.SIG_IGN:
+            continue
+        previous[signum] = signal.signal(signum, handler)
+    return previous
 
 
 class StopSignal:
     """``with StopSignal() as stop:`` then ``if stop.requested: break`` between shapes.
 
-    Installs handlers for SIGINT and SIGTERM (in the main thread only; elsewhere
+    Installs handlers for SIGINT, SIGTERM and SIGHUP (in the main thread only; elsewhere
     it is inert) and restores the previous ones on exit. The first signal sets
     :attr:`requested` and :attr:`signal_name` and prints one line to stderr;
     the second raises :class:`StopNow`.
@@ -89,8 +103,7 @@ class StopSignal:
 
     def __enter__(self) -> StopSignal:
         if threading.current_thread() is threading.main_thread():
-            for signum in SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
+            self._previous = _install(SIGNALS, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:

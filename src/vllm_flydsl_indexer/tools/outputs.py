@@ -12,20 +12,91 @@ import contextlib
 import os
 import stat
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO
 
 from vllm_flydsl_indexer.tools.files import FileRefused, kind_of
 
-__all__ = ["OUTPUT_RULE", "kind_problem", "outputs_problem", "write_atomic", "write_atomic_bytes"]
+__all__ = [
+    "OUTPUT_RULE",
+    "kind_problem",
+    "lock_path",
+    "locked",
+    "outputs_problem",
+    "place_problem",
+    "write_atomic",
+    "write_atomic_bytes",
+]
 
 # What every output accepts, as --help says it.
 OUTPUT_RULE = (
     "each output is a regular file or a new one, replaced atomically; a symlink is written through to its "
     "target (a new file if there is none yet) and stays a link; refused before any work: a device, FIFO or "
     "directory, this command's own stdout or stderr (redirect the report, not an output, there), two "
-    "outputs that are one file"
+    "outputs that are one file, a path under /proc or /sys, a path ending in / that is no directory, a "
+    "file of the installed plugin, the table $VLLM_FLYDSL_INDEXER_TUNED_CSV names (but --tune merges "
+    "into it), and any path where a regular file cannot be created"
 )
+# Kernel interfaces: nothing written there is a file (``/proc/version`` took a whole run, then failed).
+KERNEL_TREES = ("/proc", "/sys")
+# The variable naming the plugin's tuned table (envs.TUNED_CSV); written here so that the tools'
+# output rule reads without the runtime wing.
+TUNED_CSV_VARIABLE = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _package_dir() -> str:
+    import vllm_flydsl_indexer
+
+    return os.path.realpath(os.path.dirname(vllm_flydsl_indexer.__file__))
+
+
+def place_problem(
+    path: str, merge_into_table: bool = False, environ: dict[str, str] | None = None
+) -> str | None:
+    """Why ``path`` is no place for an output, whatever is there now, or ``None``.
+
+    Refused: a path under /proc or /sys; a path ending in ``/`` where no such directory exists
+    (``--json out/`` would write a file named ``out``); a file of the installed plugin package (its
+    built-in table); the table ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` names, unless ``merge_into_table``
+    (``bench --tune`` merging into it); a directory where no regular file can be created (a temporary
+    file is created there and removed, as :func:`write_atomic` will).
+    """
+    env = os.environ if environ is None else environ
+    real = os.path.realpath(path)
+    for root in KERNEL_TREES:
+        if _under(real, root) or _under(os.path.abspath(path), root):
+            return f"{path} is under {root}, a kernel interface, not a file; give a file path"
+    if path.endswith(("/", os.sep)) and not os.path.isdir(path):
+        return f"{path} ends in '/' but there is no such directory; give a file path"
+    package = _package_dir()
+    if _under(real, package):
+        return f"{path} is a file of the installed vllm_flydsl_indexer package ({package}); give another path"
+    table = env.get(TUNED_CSV_VARIABLE, "").strip()
+    if table and not merge_into_table and os.path.realpath(table) == real:
+        return (
+            f"{path} is the tuned table {TUNED_CSV_VARIABLE} names (the plugin reads it); give another path"
+            " (bench --tune merges into it)"
+        )
+    directory = os.path.dirname(real)
+    if not os.path.isdir(directory):
+        return None  # a link to a missing directory: outputs_problem's open names it
+    try:
+        fd, probe = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(real)}.", suffix=".tmp")
+    except OSError as e:
+        return f"cannot create a file beside {path} ({e.strerror or e})"
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+    if not regular:
+        return f"{path}: what is created there is not a regular file; give a file path"
+    return None
 
 
 def _standard_streams() -> list[tuple[str, os.stat_result]]:
@@ -132,3 +203,37 @@ def write_atomic(path: str, text: str, newline: str | None = None) -> None:
 def write_atomic_bytes(path: str, data: bytes) -> None:
     """:func:`write_atomic` for bytes (a rendered plot)."""
     _replace_atomic(path, lambda f: f.write(data))
+
+
+def lock_path(path: str) -> str:
+    """The lock file of ``path``: ``.NAME.lock`` beside its resolved target (a link's target is the
+    file replaced, so two links to one table share one lock)."""
+    directory, name = os.path.split(os.path.realpath(path))
+    return os.path.join(directory, f".{name}.lock")
+
+
+@contextlib.contextmanager
+def locked(path: str) -> Iterator[None]:
+    """Hold an exclusive lock for a read-merge-replace of ``path``: every writer that merges into a
+    shared file (``bench --tune``'s table) reads it *after* taking this lock, so none loses another's rows.
+
+    ``fcntl.flock`` on :func:`lock_path` (the file itself is replaced by a rename, so it cannot carry the
+    lock); it blocks until the holder is done and is released when the block ends, or the process dies.
+    The lock file stays, empty. Where ``fcntl`` is missing, or the lock file cannot be opened, the block
+    runs unlocked.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    try:
+        fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock

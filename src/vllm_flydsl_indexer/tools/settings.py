@@ -31,6 +31,9 @@ __all__ = [
     "I32_LIMIT",
     "LIMITS",
     "LOGIT_BYTES",
+    "MAX_INPUT_SETS",
+    "MAX_REPEATS",
+    "MAX_WARMUP",
     "PROG",
     "REAL_CHECK",
     "TUNE_GPU_GRID",
@@ -99,6 +102,12 @@ TUNE_MAX_MODEL_LEN = 131072
 # bench's timing defaults per device type: (timed iterations, input sets rotated); tune's too.
 BENCH_TIMING = {"cuda": (20, 4), "cpu": (3, 2)}
 
+# The upper bounds of bench's counts: --input-sets holds that many whole inputs of a shape at once (and
+# builds each before the first timed call); --repeats and --warmup are calls, each a whole kernel call.
+MAX_INPUT_SETS = 64
+MAX_REPEATS = 100_000
+MAX_WARMUP = 10_000
+
 # bench options that --tune does not use: refused together with it, never silently ignored.
 NOT_WITH_TUNE = {
     "csv_path": ("--csv", "--tune writes its table to OUT.csv; --json writes the tuned rows as JSON"),
@@ -113,7 +122,9 @@ TUNE_DRY_RUN = "add --reference for a dry run on the reference contracts (rows m
 
 def fail(prog: str, message: str) -> NoReturn:
     """Print ``prog: error: message`` as exactly one line on stderr and exit 2."""
-    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
+    from vllm_flydsl_indexer.tools.streams import safe_line  # an echoed value: escaped, shortened
+
+    print(safe_line(f"{prog}: error: {' '.join(message.split())}"), file=sys.stderr)
     raise SystemExit(2)
 
 
@@ -153,12 +164,12 @@ def shape_fits(
     return None
 
 
-# What a SIGINT or SIGTERM does, as --help says it (tools/interrupt.py).
+# What a SIGINT, SIGTERM or SIGHUP does, as --help says it (tools/interrupt.py).
 STOP_CHECK = (
-    "A SIGINT or SIGTERM stops after the current case (a few calls) and reports the cases that ran; "
+    "A SIGINT, SIGTERM or SIGHUP stops after the current case (a few calls) and reports the cases that ran; "
     "a second stops at once; exit 130 either way."
 )
 STOP_BENCH = (
-    "A SIGINT or SIGTERM stops at the next timed call (within one call, whatever --repeats), drops the "
-    "shape under way and writes what finished; a second stops at once; exit 130 either way."
+    "A SIGINT, SIGTERM or SIGHUP stops at the next timed call (within one call, whatever --repeats), "
+    "drops the shape under way and writes what finished; a second stops at once; exit 130 either way."
 )

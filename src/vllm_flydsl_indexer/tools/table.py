@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 
 __all__ = [
@@ -15,11 +16,26 @@ WIDTH = 120
 GAP = "  "
 # The narrowest a column is made when even its longest word must break.
 HARD_FLOOR = 4
+# Where a word may break when wrapping at spaces cannot fit the table: after a '/', between two
+# numbers (``11640/`` and ``11640``), never inside a run of characters, so a number is never broken
+# into two that read as other numbers (``11640/1164`` and ``0``).
+_PIECE = re.compile(r"[^/]*/|[^/]+")
+
+
+class _SlashWrapper(textwrap.TextWrapper):
+    """Wraps at spaces, and after a '/' where a word is wider than the column; breaks nothing else."""
+
+    wordsep_re = re.compile(r"(\s+|(?<=/)(?=[^\s/]))")
 
 
 def _narrowest(cells: list[str]) -> int:
-    """The width a column can wrap down to: its longest word."""
+    """The width a column can wrap down to at spaces: its longest word."""
     return max((len(word) for cell in cells for word in cell.split()), default=0)
+
+
+def _unbreakable(cells: list[str]) -> int:
+    """The width a column can wrap down to at all: its longest piece of a word between '/'s."""
+    return max((len(p) for cell in cells for word in cell.split() for p in _PIECE.findall(word)), default=0)
 
 
 def format_table(rows: list[tuple[str, ...]], width: int = WIDTH, keep: int = 1) -> list[str]:
@@ -27,16 +43,17 @@ def format_table(rows: list[tuple[str, ...]], width: int = WIDTH, keep: int = 1)
 
     Wider than ``width``, the widest of the columns after the first ``keep`` (each row's key,
     never wrapped) wrap at spaces, a row taking more lines, until the table fits; if wrapping at
-    spaces cannot make it fit, their longest words break too.
+    spaces cannot make it fit, their longest words break after a '/' too, never elsewhere (a number
+    is never broken across lines), and never below :data:`HARD_FLOOR`. A table whose key columns and
+    unbreakable pieces leave no room is wider than ``width``.
     """
     columns = list(zip(*rows, strict=True))
     widths = [max(map(len, column)) for column in columns]
     words = [_narrowest(list(c)) for c in columns]
-    # First wrap at spaces only; if that cannot fit, break the longest words too (never the key columns,
-    # nor below HARD_FLOOR): the table fits ``width`` whenever its key columns leave room.
+    pieces = [_unbreakable(list(c)) for c in columns]
     for floors in (
         [w if i < keep else words[i] for i, w in enumerate(widths)],
-        [w if i < keep else min(w, HARD_FLOOR) for i, w in enumerate(widths)],
+        [w if i < keep else min(w, max(HARD_FLOOR, pieces[i])) for i, w in enumerate(widths)],
     ):
         while sum(widths) + len(GAP) * (len(widths) - 1) > width:
             shrinkable = [i for i, w in enumerate(widths) if w > floors[i]]
@@ -46,9 +63,14 @@ def format_table(rows: list[tuple[str, ...]], width: int = WIDTH, keep: int = 1)
             widths[widest] -= 1
 
     def fmt(row: tuple[str, ...]) -> list[str]:
+        # Narrower than a word: wrap after a '/' too (the wrapper's wordsep_re, used with break_on_hyphens).
+        wrappers = [
+            _SlashWrapper(w, break_long_words=False) if w < floor else None
+            for w, floor in zip(widths, words, strict=True)
+        ]
         cells = [
-            textwrap.wrap(cell, w, break_long_words=w < floor) or [""]
-            for cell, w, floor in zip(row, widths, words, strict=True)
+            (wrapper.wrap(cell) if wrapper else textwrap.wrap(cell, w, break_long_words=False)) or [""]
+            for cell, w, wrapper in zip(row, widths, wrappers, strict=True)
         ]
         return [
             GAP.join(

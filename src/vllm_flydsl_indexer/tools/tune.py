@@ -26,7 +26,9 @@ side by side in one process on the same inputs, as aiter's own tuner
 Rows are merged into an existing file, which must pass :func:`tuned.check_row`
 on every row (a malformed file is refused before any work and left untouched):
 a row of the same GPU and lookup key (:data:`tuned.KEY_COLUMNS`) is replaced,
-every other row is kept as it was. The file is written atomically. A SIGINT or
+every other row is kept as it was. The merge holds an exclusive lock on the table
+(:func:`outputs.locked`) and reads the table again under it, so tunes run at once into one table keep
+every row. The file is written atomically. A SIGINT or
 SIGTERM stops at the next timed call, dropping the shape being measured: the
 finished rows are merged and written, the JSON says ``interrupted``, and the
 exit status is 130.
@@ -55,7 +57,7 @@ import torch
 
 from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, WORKGROUPS_PER_CU, KernelVariant, cu_count
 from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, read_window_ends
-from vllm_flydsl_indexer.tools import cli_args, settings, tuned
+from vllm_flydsl_indexer.tools import cli_args, outputs, settings, tuned
 from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_arms, raw_launch
 from vllm_flydsl_indexer.tools.harness import Timer, compare_in_windows, device_of, write_or_print
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, Stopped, StopSignal, interrupted_note
@@ -68,6 +70,7 @@ __all__ = [
     "existing_rows",
     "flydsl_launch",
     "main",
+    "merge",
     "refusal",
     "table_text",
     "tuned_wg_per_cu",
@@ -193,21 +196,25 @@ def tune_rows(
         for c, ctx in enumerate(contexts):
             gen = torch.Generator().manual_seed(args.seed + idx * len(contexts) + c)
             width = max(settings.TUNE_MAX_MODEL_LEN, ctx)
-            problems = [
-                make_paged_problem(
-                    [ctx] * batch,
-                    next_n=next_n,
-                    heads=heads,
-                    head_dim=args.head_dim,
-                    block_size=kvb,
-                    preshuffle=kvb > 1,
-                    max_model_len=width,
-                    spare_blocks=0,
-                    generator=gen,
-                    device=device,
+            problems = []
+            for _ in range(n_sets):
+                if stop is not None and stop.requested:  # heard between builds too, not only between calls
+                    sweep.interrupted = True
+                    return rows
+                problems.append(
+                    make_paged_problem(
+                        [ctx] * batch,
+                        next_n=next_n,
+                        heads=heads,
+                        head_dim=args.head_dim,
+                        block_size=kvb,
+                        preshuffle=kvb > 1,
+                        max_model_len=width,
+                        spare_blocks=0,
+                        generator=gen,
+                        device=device,
+                    )
                 )
-                for _ in range(n_sets)
-            ]
             workspace = Workspace(batch * next_n, width, device)
             p0 = problems[0]
             expected = torch.full((batch * next_n, width), float("nan"), device=device)
@@ -335,6 +342,28 @@ def table_text(
     return out.getvalue(), kept
 
 
+def merge(path: str, rows: list[dict[str, object]]) -> tuple[int | None, str]:
+    """Merge ``rows`` into the table at ``path`` under its exclusive lock (:func:`outputs.locked`),
+    reading the table again once the lock is held, so a tune that wrote it meanwhile keeps its rows.
+
+    ``(kept, "kept N earlier rows")``, or ``(None, why)`` when the table cannot be merged into any more
+    (it changed into something else during the run) or written; then the merged rows are printed to
+    stdout, so that what was measured is never lost.
+    """
+    with outputs.locked(path):
+        earlier, problem = cli_args.tune_file(path)
+        if problem is None:
+            text, kept = table_text(earlier, rows)
+            ok, line = write_or_print("bench --tune", "tuned table", path, text, newline="")
+            return (kept, f"kept {kept} earlier rows") if ok else (None, line)
+    text, _ = table_text(None, rows)
+    print(f"--- the tuned rows that could not be merged into {path} ---\n{text.rstrip()}\n--- end ---")
+    return (
+        None,
+        f"bench --tune: {problem.removeprefix('argument --tune: ')}; the measured rows are printed above",
+    )
+
+
 def main(args) -> int:
     device = device_of(args)
     arms = detect_arms(device, force_reference=args.reference)
@@ -350,16 +379,16 @@ def main(args) -> int:
     with StopSignal(per_call=True) as stop:
         rows = tune_rows(args, arms, device, gfx, stop, sweep)
     what = "kernel timings" if arms.real else "REFERENCE timings, not kernel timings (gfx=reference)"
-    text, kept = table_text(earlier, rows)
-    failed = []
+    # Every file first, then the report: a stdout that fails (closed, full, a reader gone) loses
+    # nothing (tools/streams.py).
+    report, failed = [], []
     if not rows and sweep.interrupted:
-        print(f"bench --tune: no shape finished; {args.tune_path} left as it was")
+        report.append(f"bench --tune: no shape finished; {args.tune_path} left as it was")
+        kept = len(earlier[1]) if earlier else 0
     else:
-        ok, line = write_or_print("bench --tune", "tuned table", args.tune_path, text, newline="")
-        if ok:
-            print(
-                f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, kept {kept} earlier rows"
-            )
+        kept, line = merge(args.tune_path, rows)
+        if kept is not None:
+            report.append(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, {line}")
         else:
             failed.append(line)
     if args.json_path:
@@ -384,10 +413,9 @@ def main(args) -> int:
             "rows": rows,
         }
         ok, line = write_or_print("bench --tune", "JSON", args.json_path, json.dumps(data, indent=1))
-        if ok:
-            print(line)
-        else:
-            failed.append(line)
+        (report if ok else failed).append(line)
+    for line in report:
+        print(line)
     for line in failed:
         print(line, file=sys.stderr)
     if sweep.interrupted:
