@@ -266,3 +266,26 @@ def test_safe_line_keeps_short_words_and_cuts_long_ones():
     line = "switch: " + "z" * 250 + " ok"
     assert streams.safe_line(line) == "switch: " + "z" * 200 + "... (50 more characters) ok"
     assert streams.safe_line("tab\tand\x1b") == "tab\tand\\x1b"
+
+
+def test_bench_and_tune_name_their_output_files_escaped(tmp_path, measured, monkeypatch, capsys):
+    """``bench --json 'out\\e[31m.json'`` and ``bench --tune``: the files are written under their real
+    names; every "wrote ... to" line shows the escape as text, never the raw sequence."""
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+
+    ansi = "out\x1b[31m"
+    status = cli_mod.main(["bench", "--device", "cpu", "--json", str(tmp_path / f"{ansi}.json")])
+    bench_out = capsys.readouterr().out
+    table, tuned_json = tmp_path / f"{ansi}.csv", tmp_path / f"{ansi}-tune.json"
+    argv = ["bench", "--tune", str(table), "--json", str(tuned_json), "--reference", "--device", "cpu"]
+    small = ["--heads", "32", "--block-size", "64", "--next-n", "1", "--batch", "1"]
+    tune_status = cli_mod.main([*argv, *small, "--repeats", "1", "--warmup", "0"])
+    tune_out = capsys.readouterr().out
+    assert (status, tune_status) == (0, 0)
+    assert json.loads((tmp_path / f"{ansi}.json").read_text())["results"][0]["median_us"] == 12.5
+    assert table.read_text().startswith("gfx,") and json.loads(tuned_json.read_text())["rows"]
+    escaped = "out\\x1b[31m"
+    assert f"bench: wrote JSON to {tmp_path}/{escaped}.json" in bench_out.splitlines()
+    wrote = [line for line in tune_out.splitlines() if line.startswith("bench --tune: wrote")]
+    assert len(wrote) == 2 and all(escaped in line for line in wrote), tune_out
+    assert "\x1b" not in bench_out + tune_out

@@ -59,6 +59,7 @@ from vllm_flydsl_indexer.tools.reference import (
     make_paged_problem,
     per_sequence_lens,
 )
+from vllm_flydsl_indexer.tools.streams import safe_line
 from vllm_flydsl_indexer.tools.table import format_table
 
 __all__ = [
@@ -436,9 +437,11 @@ def write_outputs(results: list[ArmResult], meta: dict, args) -> tuple[list[str]
         try:
             plot(results, meta, args.plot_path)
         except OSError as e:
-            failed.append(f"bench: could not write the plot to {args.plot_path} ({e.strerror or e})")
+            failed.append(
+                safe_line(f"bench: could not write the plot to {args.plot_path} ({e.strerror or e})")
+            )
         else:
-            written.append(f"bench: wrote the plot to {os.path.abspath(args.plot_path)}")
+            written.append(safe_line(f"bench: wrote the plot to {os.path.abspath(args.plot_path)}"))
     return written, failed
 
 

@@ -65,6 +65,7 @@ from vllm_flydsl_indexer.tools.models import BY_NAME, ModelShape
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
 from vllm_flydsl_indexer.tools.reference import GENERAL, VARIANT_CONTRACTS, PagedProblem
+from vllm_flydsl_indexer.tools.streams import safe_line
 from vllm_flydsl_indexer.tools.table import WIDTH, format_table
 
 __all__ = ["main"]
@@ -328,8 +329,8 @@ def render(
     if note:
         lines.append(note)
     enabled, error = envs.read_flag(envs.SELFTEST, default=True)
-    if error:  # as doctor and register() say it
-        lines += ["", f"warning: {error}"]
+    if error:  # as doctor and register() say it; the variable's value echoed escaped and shortened
+        lines += ["", safe_line(f"warning: {error}")]
     if not enabled:  # said, never a section dropped without a word
         lines += [
             "",

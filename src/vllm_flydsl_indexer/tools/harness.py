@@ -20,6 +20,7 @@ import torch
 from vllm_flydsl_indexer import selftest
 from vllm_flydsl_indexer.target import INDEX_TOPK
 from vllm_flydsl_indexer.tools.interrupt import StopSignal, write_atomic
+from vllm_flydsl_indexer.tools.streams import safe_line
 
 __all__ = [
     "Agreement", "Timer", "compare_in_windows", "device_of", "plugin_logger", "quiet_logger", "with_once",
@@ -137,11 +138,16 @@ def write_or_print(
     to stdout between markers and return ``(False, "could not write ...; printed it above")``.
 
     Every output was opened for writing before the run (``cli_args.output_problem``), so a
-    failure here is rare; what was measured is never lost to it.
+    failure here is rare; what was measured is never lost to it. The path is a value the user gave:
+    every line that names it is :func:`~vllm_flydsl_indexer.tools.streams.safe_line` (escaped,
+    shortened); the file keeps its real name.
     """
     try:
         write_atomic(path, text, newline=newline)
     except OSError as e:
-        print(f"--- the {what} that could not be written to {path} ---\n{text.rstrip()}\n--- end ---")
-        return False, f"{tool}: could not write {what} to {path} ({e.strerror or e}); printed it above"
-    return True, f"{tool}: wrote {what} to {os.path.abspath(path)}"
+        print(safe_line(f"--- the {what} that could not be written to {path} ---"))
+        print(f"{text.rstrip()}\n--- end ---")
+        return False, safe_line(
+            f"{tool}: could not write {what} to {path} ({e.strerror or e}); printed it above"
+        )
+    return True, safe_line(f"{tool}: wrote {what} to {os.path.abspath(path)}")

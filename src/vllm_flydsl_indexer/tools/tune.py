@@ -62,6 +62,7 @@ from vllm_flydsl_indexer.tools.arms import GLUON_KNOBS, Arms, Workspace, detect_
 from vllm_flydsl_indexer.tools.harness import Timer, compare_in_windows, device_of, write_or_print
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, Stopped, StopSignal, interrupted_note
 from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, per_sequence_lens
+from vllm_flydsl_indexer.tools.streams import safe_line
 
 __all__ = [
     "REFERENCE_GFX",
@@ -357,10 +358,13 @@ def merge(path: str, rows: list[dict[str, object]]) -> tuple[int | None, str]:
             ok, line = write_or_print("bench --tune", "tuned table", path, text, newline="")
             return (kept, f"kept {kept} earlier rows") if ok else (None, line)
     text, _ = table_text(None, rows)
-    print(f"--- the tuned rows that could not be merged into {path} ---\n{text.rstrip()}\n--- end ---")
+    print(safe_line(f"--- the tuned rows that could not be merged into {path} ---"))
+    print(f"{text.rstrip()}\n--- end ---")
     return (
         None,
-        f"bench --tune: {problem.removeprefix('argument --tune: ')}; the measured rows are printed above",
+        safe_line(
+            f"bench --tune: {problem.removeprefix('argument --tune: ')}; the measured rows are printed above"
+        ),
     )
 
 
@@ -383,12 +387,14 @@ def main(args) -> int:
     # nothing (tools/streams.py).
     report, failed = [], []
     if not rows and sweep.interrupted:
-        report.append(f"bench --tune: no shape finished; {args.tune_path} left as it was")
+        report.append(safe_line(f"bench --tune: no shape finished; {args.tune_path} left as it was"))
         kept = len(earlier[1]) if earlier else 0
     else:
         kept, line = merge(args.tune_path, rows)
         if kept is not None:
-            report.append(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, {line}")
+            report.append(
+                safe_line(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, {line}")
+            )
         else:
             failed.append(line)
     if args.json_path:
