@@ -128,11 +128,31 @@ def test_the_plugin_ignores_such_a_table_with_one_warning(which, tmp_path, fifo,
     assert table is None and label.startswith("no measurement for the general FlyDSL kernel")
     (record,) = caplog.records
     assert record.getMessage().startswith(f"{TABLE_IGNORED_LINE} {path}: OSError: ")
+    kind = {"fifo": "a FIFO", "/dev/zero": "a character device", "directory": "a directory"}.get(which)
     assert record.getMessage().endswith(
-        f"{path} is not a regular file; trying the next source"
+        f"{path} is {kind}, not a regular file; trying the next source"
         if which != "oversized"
         else f"{path} is larger than {files.MAX_READ_BYTES} bytes; trying the next source"
     ), record.getMessage()
+
+
+def test_a_socket_is_named_in_the_same_words_by_the_plugin_doctor_and_bench(tmp_path, monkeypatch):
+    """Issue 45 item 16: a socket named as the table said "No such device or address" to the plugin and
+    doctor (a socket cannot be opened) and "is a socket" to bench --tune. One set of words now."""
+    import socket
+
+    path = str(tmp_path / "table.csv")
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        said = "is a socket, not a regular file"
+        from vllm_flydsl_indexer.target import read_capped
+
+        with pytest.raises(OSError, match=said):
+            read_capped(path)
+        assert said in tuning.read(path, "gfx950")  # the plugin's reader, which doctor reports
+        with pytest.raises(files.FileRefused, match=said):
+            files.read_text(path)  # the tools' reader
+        assert said in (outputs.kind_problem(path) or "")  # bench's up-front check of --tune and outputs
 
 
 def test_a_regular_table_through_a_link_still_loads(tmp_path):
@@ -154,11 +174,12 @@ def test_doctor_reports_a_fifo_table_and_ray_file_as_ignored_and_exits_0(tmp_pat
     data = json.loads(done.stdout)
     # doctor reads the table as the plugin does (one capped read): the plugin's words.
     note = data["tuned_table"]["note"]
-    assert note.startswith("IGNORED: ") and f"{fifo} is not a regular file" in note, note
+    assert note.startswith("IGNORED: ") and f"{fifo} is a FIFO, not a regular file" in note, note
     assert "a FIFO, not a regular file" in data["ray_non_carry_over"]["note"]
     zero = cli(["doctor"], {**env, envs.TUNED_CSV: "/dev/zero"}, timeout=120)
     assert (
-        zero.returncode == 0 and "IGNORED: /dev/zero: OSError: /dev/zero is not a regular file" in zero.stdout
+        zero.returncode == 0
+        and "IGNORED: /dev/zero: OSError: /dev/zero is a character device, not a regular file" in zero.stdout
     )
 
 

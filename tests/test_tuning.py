@@ -344,7 +344,7 @@ def test_a_file_with_no_usable_row_falls_to_the_next_source(tmp_path, monkeypatc
         assert len(warnings_of(plugin_log)) == 1
     assert "2 rows, 1 unusable, none usable for gfx950" in tuning.read(str(bad), "gfx950")
     assert "FileNotFoundError" in tuning.read(str(tmp_path / "absent.csv"), "gfx950")
-    assert "is not a regular file" in tuning.read(str(tmp_path), "gfx950")
+    assert f"{tmp_path} is a directory, not a regular file" in tuning.read(str(tmp_path), "gfx950")
 
 
 def test_the_off_values_mean_no_table_and_no_warning(monkeypatch, plugin_log):

@@ -71,17 +71,24 @@ def unpatched(fn: Callable) -> Callable:
     return fn.__wrapped__ if getattr(fn, MARKER, False) else fn
 
 
+# What a file that is not a regular one is, in the words the plugin and the tools both use.
+KINDS = {stat.S_IFDIR: "a directory", stat.S_IFIFO: "a FIFO", stat.S_IFCHR: "a character device",
+         stat.S_IFBLK: "a block device", stat.S_IFSOCK: "a socket"}  # fmt: skip
+
+
 def read_capped(path: str, limit: int = MAX_READ_BYTES) -> str:
-    """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes; ``OSError`` for anything else
-    (a FIFO is opened non-blocking and refused, so it never hangs start-up)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which names a directory by its fd number
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(limit + 1)
-    if len(data) > limit:
-        raise OSError(f"{path} is larger than {limit} bytes")
+    """The UTF-8 text of the regular file ``path``, at most ``limit`` bytes; ``OSError`` naming what it is
+    otherwise, checked before the open (a socket cannot be opened) and after it (opened non-blocking, a
+    FIFO that took its place never hangs start-up)."""
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            mode = os.fstat(f.fileno()).st_mode
+            data = f.read(limit + 1) if stat.S_ISREG(mode) else b""
+        if len(data) > limit:
+            raise OSError(f"{path} is larger than {limit} bytes")
+    if not stat.S_ISREG(mode):
+        raise OSError(f"{path} is {KINDS.get(stat.S_IFMT(mode), 'something else')}, not a regular file")
     return data.decode("utf-8-sig")
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import stat
 
+from vllm_flydsl_indexer.target import KINDS
+
 __all__ = ["FileRefused", "MAX_READ_BYTES", "kind_of", "read_text"]
 
 # Larger than any tuned table or model config.json by far; /dev/zero and a runaway file stop here.
@@ -22,17 +24,8 @@ class FileRefused(OSError):
 
 
 def kind_of(mode: int) -> str:
-    """What a non-regular file is, in words."""
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
+    """What a non-regular file is, in the plugin's words (``target.KINDS``)."""
+    return KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
@@ -41,6 +34,9 @@ def read_text(path: str, limit: int = MAX_READ_BYTES) -> str:
     Raises :class:`FileRefused` for anything else before reading a byte; ``OSError`` and
     ``UnicodeDecodeError`` as reading does.
     """
+    mode = os.stat(path).st_mode  # before the open: a socket cannot be opened, and says what it is
+    if not stat.S_ISREG(mode):
+        raise FileRefused(f"{path} is {kind_of(mode)}, not a regular file; nothing read")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0))
     try:
         mode = os.fstat(fd).st_mode
