@@ -86,12 +86,8 @@ def _register(logger: logging.Logger) -> None:
     if not switch:
         # Off: import nothing more, change nothing in vLLM, and stay quiet (vLLM's loader already lists the
         # plugins it loads); a malformed switch is a WARNING.
-        logger.log(
-            logging.WARNING if error else logging.DEBUG,
-            "%s %s)",
-            envs.STOCK_LINE,
-            envs.off_reason(envs.SWITCH),
-        )
+        level = logging.WARNING if error else logging.DEBUG
+        logger.log(level, "%s %s)", envs.STOCK_LINE, envs.off_reason(envs.SWITCH))
         return
     from vllm_flydsl_indexer import gates
 

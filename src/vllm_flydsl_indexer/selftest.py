@@ -19,7 +19,6 @@ import torch
 from vllm_flydsl_indexer.target import INDEX_TOPK, SCALE_BYTES
 
 REAL_KERNEL_TOLERANCE = 1e-3
-DEFAULT_TOPK = INDEX_TOPK
 
 
 def read_window_ends(context_lens: torch.Tensor, rows: int, next_n: int) -> torch.Tensor:
@@ -53,7 +52,7 @@ CHUNK_ELEMENTS = 1 << 16
 
 
 def compare_in_windows(
-    expected: torch.Tensor, actual: torch.Tensor, ends: torch.Tensor, topk: int = DEFAULT_TOPK
+    expected: torch.Tensor, actual: torch.Tensor, ends: torch.Tensor, topk: int = INDEX_TOPK
 ) -> dict:
     """Compare two logits buffers over ``[0, ends[r])`` of every row ``r``, a chunk of rows at a time
     (:data:`CHUNK_ELEMENTS`: bounded memory), one host sync at the end. Rows whose window holds only
