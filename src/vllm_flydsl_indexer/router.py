@@ -188,15 +188,8 @@ class FlyDSLRouter:
             route = self.routes.get(key)
             # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
             if route is None or route.reason is None:
-                args = (
-                    q_fp8,
-                    kv_cache_fp8,
-                    weights,
-                    context_lens,
-                    block_tables,
-                    schedule_metadata,
-                    max_model_len,
-                )
+                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+                        max_model_len)  # fmt: skip
                 facts = call_facts(
                     q_fp8, kv_cache_fp8, weights, context_lens, block_tables, self.hooks.dcp_world_size()
                 )
