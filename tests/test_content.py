@@ -185,7 +185,8 @@ REFORMATS = {
         "                ChunkK=256,\n",
         "                ChunkK=256,  # aiter's default\n",
     ),
-    "quotes": ('"Using AITER paged-MQA logits from %s."', "'Using AITER paged-MQA logits from %s.'"),
+    # Every audited release has this line (0.32.0 has no log line of the target's own).
+    "quotes": ('out_qk.fill_(float("-inf"))', "out_qk.fill_(float('-inf'))"),
     "line breaks": (
         "            (out_logits,) = current_workspace_manager().get_simultaneous(\n"
         "                ((batch_size * next_n, max_model_len), torch.float32),\n"
@@ -240,10 +241,7 @@ CODE_CHANGES = {
         "rocm_aiter_ops.is_enabled() or rocm_aiter_ops.is_rdna_aiter_enabled()",
         "rocm_aiter_ops.is_enabled()",
     ),
-    "a string argument": (
-        '"Using AITER paged-MQA logits from %s."',
-        '"Using AITER paged-MQA logits from %r."',
-    ),
+    "a string argument": ('out_qk.fill_(float("-inf"))', 'out_qk.fill_(float("+inf"))'),
     "a name that is not called": (
         "    aiter_paged_mqa_logits_module = None\n",
         "    _flydsl = None\n    aiter_paged_mqa_logits_module = None\n",
