@@ -51,7 +51,7 @@ def test_the_builtin_table_is_aiters_rows_unchanged_with_its_provenance():
     assert validator.row_problems(str(BUILTIN_CSV)) == []
     assert len(validator.read_rows(open(BUILTIN_CSV, newline=""), str(BUILTIN_CSV))) == SOURCE_ROWS
     # The plugin's reader (its ``#`` provenance lines first) skips none of them.
-    table = tuning.read(str(BUILTIN_CSV), "gfx950", tuning.BUILTIN_LABEL, "built-in")
+    table = tuning.read(str(BUILTIN_CSV), "gfx950", "built-in")
     assert isinstance(table, tuning.TunedTable), table
     assert table.skipped == 0 and table.cu_counts() == {256}
     assert sum(len(rows) for buckets in table.shapes.values() for rows in buckets.values()) == SOURCE_ROWS
@@ -60,7 +60,7 @@ def test_the_builtin_table_is_aiters_rows_unchanged_with_its_provenance():
 def test_the_plugins_reader_picks_every_builtin_row_as_amd_measured_it():
     """Each of the 72 rows is its own bucket: the lookup gives its backend and wg_per_cu, at its batch and
     up to the next tuned batch (the picks the strict reader gave before the lenient one)."""
-    table = tuning.read(str(BUILTIN_CSV), "gfx950", tuning.BUILTIN_LABEL, "built-in")
+    table = tuning.read(str(BUILTIN_CSV), "gfx950", "built-in")
     rows = builtin_rows()
     batches = sorted({int(r["batch_size"]) for r in rows})
     for r in rows:

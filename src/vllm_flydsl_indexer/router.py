@@ -55,6 +55,11 @@ def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
     )  # fmt: skip
 
 
+def shape_of(q, kv) -> tuple:
+    """What FlyDSL compiles: ``(heads, head_dim, KVBlockSize, next_n)``."""
+    return q.shape[2], q.shape[3], kv.shape[1], q.shape[1]
+
+
 def describe(shape: tuple) -> str:
     """A shape ``(heads, head_dim, KVBlockSize, next_n)`` in words."""
     return "heads={} head_dim={} KVBlockSize={} next_n={}".format(*shape)
@@ -108,7 +113,7 @@ def objection(
     pick = router.pick(q, kv)
     if pick is None:
         return None
-    table, shape = router.table, describe((q.shape[2], q.shape[3], block_size, next_n))
+    table, shape = router.table, describe(shape_of(q, kv))
     where = f"{table.name} on {table.gfx} with {cu_count(q.device)} CUs"
     if pick[0] != "flydsl":
         return f"{where} measured stock (Gluon) faster at some batch sizes of {shape}"
@@ -246,9 +251,9 @@ class FlyDSLRouter:
         """The rules' verdict on a new call signature, kept while the memo has room. A shape that failed
         stays stock without asking anything again."""
         q, kv, w, lens, bt, _, max_model_len = args
-        shape = (q.shape[2], q.shape[3], kv.shape[1], q.shape[1]) if q.dim() == 4 and kv.dim() == 4 else None
-        dcp = self.hooks.dcp_world_size()
-        reason = self.failed.get(shape) or objection(self, args, compress_ratio, caller, dcp)
+        shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
+        facts = facts or call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size())
+        reason = self.failed.get(shape) or objection(self, args, compress_ratio, caller, facts[0])
         if reason is not None:
             route = Route(reason)
             self.logger.info_once("%s %s", STOCK_CALL_LINE, reason, scope="process")
@@ -259,7 +264,7 @@ class FlyDSLRouter:
                 q.shape[0], kv.shape[1], max_model_len, cus, pick[2] if pick else 0
             )
             bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
-            route = Route(None, shape, caller, kwargs, facts or call_facts(q, kv, w, lens, bt, dcp), bounds)
+            route = Route(None, shape, caller, kwargs, facts, bounds)
         if len(self.routes) < MAX_MEMOISED_VERDICTS:
             self.routes[key] = route
         return route
@@ -360,7 +365,7 @@ class FlyDSLRouter:
         """The router's work on a call raised: this call gets stock's answer, its shape stays stock."""
         problem = f"raised {type(error).__name__} while routing this call: {error}"
         try:
-            shape = (q.shape[2], q.shape[3], kv.shape[1], q.shape[1])
+            shape = shape_of(q, kv)
         except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
             if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
                 self.routes[key] = Route(f"the router {problem}")

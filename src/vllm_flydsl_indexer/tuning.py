@@ -137,13 +137,14 @@ def parse(text: str, gfx: str, name: str, origin: str = "env") -> TunedTable | s
     return table
 
 
-def read(path: str, gfx: str, name: str | None = None, origin: str = "env") -> TunedTable | str:
-    """The table in file ``path`` (one capped read) for ``gfx``, or why it has none usable. Never raises."""
+def read(path: str, gfx: str, origin: str = "env") -> TunedTable | str:
+    """The table in file ``path`` (one capped read) for ``gfx``, named by its path (the built-in one by its
+    label), or why it has none usable. Never raises."""
     try:
         text = read_capped(path)
     except Exception as e:  # noqa: BLE001 - not a regular file, too large, not UTF-8...
         return f"{path}: {type(e).__name__}: {e}"
-    return parse(text, gfx, name or path, origin)
+    return parse(text, gfx, BUILTIN_LABEL if origin == "built-in" else path, origin)
 
 
 def _aiter_table() -> str | None:
@@ -182,7 +183,7 @@ def load(variant: str | None, gfx: str, logger: logging.Logger) -> tuple[TunedTa
     for path, origin, label in sources(os.environ.get(TUNED_CSV), variant):
         if path is None:
             return None, label
-        table = read(path, gfx, BUILTIN_LABEL if origin == "built-in" else None, origin)
+        table = read(path, gfx, origin)
         if isinstance(table, str):
             logger.warning("%s %s; trying the next source", TABLE_IGNORED_LINE, table)
             continue

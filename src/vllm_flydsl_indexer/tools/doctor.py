@@ -130,15 +130,14 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
     ignored: list[dict[str, Any]] = []
     for path, origin, label in sources:
-        name = tuning.BUILTIN_LABEL if origin == "built-in" else path
         if path is None:
             first = ignored[0] if ignored else {"source": None, "origin": origin, "note": label}
             return {**first, "in_use": label, "ignored": ignored}
-        table = tuning.read(path, gfx, name, origin)  # the plugin's own reader: never raises
-        if isinstance(table, str):
-            ignored.append({"source": name, "origin": origin, "note": f"IGNORED: {table}; next source tried"})
-            continue
-        break
+        table = tuning.read(path, gfx, origin)  # the plugin's own reader: never raises
+        if not isinstance(table, str):
+            break
+        name = tuning.BUILTIN_LABEL if origin == "built-in" else path  # as the reader names a table
+        ignored.append({"source": name, "origin": origin, "note": f"IGNORED: {table}; next source tried"})
     skipped = tuned.row_problems(path) if table.skipped else []
     shapes = describe(table)
     for shape in shapes:
@@ -159,7 +158,7 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
             "FlyDSL wherever eligible"
         )
     return {
-        "source": name,
+        "source": table.name,
         "origin": origin,
         "label": label,
         "gfx": gfx,
