@@ -16,6 +16,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 import types
 from pathlib import Path
 
@@ -35,6 +36,12 @@ AMDSMI_DOUBLE = DOUBLES / "amdsmi_gfx950"
 AITER_DOUBLE = DOUBLES / "aiter_flydsl"
 
 os.environ["VLLM_ROCM_USE_AITER"] = "1"
+# The node cache of every test process lives in this session's own directory, never the user's.
+CACHE_ROOT = tempfile.mkdtemp(prefix="vllm-flydsl-indexer-tests-")
+os.environ["VLLM_CACHE_ROOT"] = CACHE_ROOT
+# The routing tests were written for "no table: FlyDSL wherever eligible"; tests of the tables and of this
+# node's measurement (tests/test_measure.py) set or clear it themselves.
+os.environ["VLLM_FLYDSL_INDEXER_TUNED_CSV"] = "none"
 for path in (AITER_DOUBLE, AMDSMI_DOUBLE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
@@ -51,6 +58,7 @@ def simulation_env(*, gfx950: bool = True, aiter: bool = True, rocm: bool = True
         env["AMDSMI_DOUBLE_ARCH"] = "gfx950" if gfx950 else "gfx942"
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["VLLM_ROCM_USE_AITER"] = "1"
+    env["VLLM_CACHE_ROOT"] = CACHE_ROOT
     env.update(extra)
     return env
 
@@ -84,6 +92,7 @@ AITER_DOUBLE_MODULES = (
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_early",
     "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_padded_q",
+    "aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_entry",
     "aiter.paged_mqa_logits",
 )
 

@@ -99,16 +99,26 @@ def _register(logger: logging.Logger) -> None:
     if decision.active:
         from vllm_flydsl_indexer import patch, router, tuning
 
-        variant = decision.variant
-        table = None
+        variant, gfx, table, tune = decision.variant, tuning.arch_of(decision.gcn_arch or ""), None, None
         if not variant.own_table:
-            table, decision.table = tuning.load(variant.name, tuning.arch_of(decision.gcn_arch or ""), logger)
+            table, decision.table = tuning.load(variant.name, gfx, logger)
+            # Shapes no table covers: measured on this GPU, stock until then (no table chosen: FlyDSL).
+            if (os.environ.get(envs.TUNED_CSV) or "").strip().lower() not in tuning.OFF_VALUES:
+                tune, error = envs.read_flag(envs.TUNE, default=True)
+                decision.warnings += [error] if error else []
         self_test, error = envs.read_flag(envs.SELFTEST, default=True)
         decision.warnings += [error] if error else []
         patch.install(
             decision.target_module,
             lambda original: router.FlyDSLRouter(
-                original, variant, decision.hooks, logger, table=table, self_test=self_test
+                original,
+                variant,
+                decision.hooks,
+                logger,
+                table=table,
+                self_test=self_test,
+                tune=tune,
+                gfx=gfx,
             ),
         )
     line = decision.log_line() + (f" [{'; '.join(decision.warnings)}]" if decision.warnings else "")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 # The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
@@ -16,7 +17,9 @@ ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
 SELFTEST = "VLLM_FLYDSL_INDEXER_SELFTEST"
 # An aiter-format tuned CSV that picks FlyDSL or stock per shape (tuning.py).
 TUNED_CSV = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
-ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, SELFTEST, TUNED_CSV)
+# Time shapes no table covers on this GPU at their first eager call (measure.py); on unless 0/false.
+TUNE = "VLLM_FLYDSL_INDEXER_TUNE"
+ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, SELFTEST, TUNED_CSV, TUNE)
 ACCEPTED = ("1", "0", "true", "false")
 
 # Under the "vllm" logger, so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.
@@ -32,6 +35,12 @@ TABLE_IGNORED_LINE = f"{HEAD} tuned table ignored:"
 # Set on the getters this package adds to ``vllm.envs.environment_variables``, so a declaration
 # of the switch by vLLM itself (an in-tree route) is told apart from ours.
 OWN_GETTER = "_vllm_flydsl_indexer_getter"
+
+
+def cache_root() -> Path:
+    """vLLM's cache root, as ``vllm.envs.VLLM_CACHE_ROOT`` reads it (no vLLM import)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    return Path(os.environ.get("VLLM_CACHE_ROOT") or default).expanduser()
 
 
 def parse_bool(text: str) -> bool | None:

@@ -23,6 +23,7 @@ aiter/flydsl mismatch), so every probe catches any exception. Imports no vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -47,6 +48,10 @@ BLOCK_OUTER_NOTE = (
 WORKGROUPS_PER_CU = 3
 TUNER_WG_PER_CU = (1, 2, 3, 4)
 KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
+# aiter f33a573e/6c1c496c: a second entry point beside the general kernel, AMD's DeepSeek-V3.2 mapping.
+ENTRY_NAME = "flydsl_fp8_paged_mqa_logits_gfx950"
+# Its automatic SplitKV, ``ceil(cu * 8 / B)`` clamped to the pages, passed explicitly.
+ENTRY_WORKGROUPS_PER_CU = 8
 # Probed in order after the dispatcher: the re-export, the PR branch's module, earlier revisions.
 KERNEL_MODULES = (
     "aiter.ops.flydsl",
@@ -93,6 +98,8 @@ class KernelVariant:
     dispatch_objection: Callable[[tuple, bool], str | None] | None = None
     # FlyDSL itself with ``fn``'s signature, for the self-test, where ``fn`` is not the kernel.
     flydsl: Callable[..., object] | None = None
+    # aiter's ``_gfx950`` entry beside this kernel (:func:`identify_entry`), run only where measured faster.
+    entry: KernelVariant | None = None
 
     def shape_violation(
         self, heads: int, head_dim: int, block_size: int, index_dim: int, next_n: int
@@ -165,12 +172,24 @@ class KernelVariant:
         rule, ``block_size > 1``); for the gfx950 API an explicit SplitKV from ``wg_per_cu`` (a tuned row's
         knob; ``0``: the default), as aiter's dispatcher computes it."""
         kwargs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
+        if self.name == "gfx950-entry":  # it takes no Preshuffle keyword (a TypeError)
+            del kwargs["Preshuffle"]
         if self.split_kv_workgroups_per_cu is not None:
             wg = wg_per_cu or self.split_kv_workgroups_per_cu
             kwargs["SplitKV"] = explicit_split_kv(cus, batch, max_model_len, block_size, wg)
         elif wg_per_cu:
             raise ValueError(self.knob_problem(wg_per_cu))
         return kwargs
+
+
+def shape_of(q, kv) -> tuple:
+    """What FlyDSL compiles: ``(heads, head_dim, KVBlockSize, next_n)``."""
+    return q.shape[2], q.shape[3], kv.shape[1], q.shape[1]
+
+
+def describe(shape: tuple) -> str:
+    """A shape ``(heads, head_dim, KVBlockSize, next_n)`` in words."""
+    return "heads={} head_dim={} KVBlockSize={} next_n={}".format(*shape)
 
 
 def cu_count(device: torch.device) -> int:
@@ -275,6 +294,31 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
     )  # fmt: skip
 
 
+def identify_entry(fn: Callable, module: ModuleType, location: str) -> KernelVariant | str:
+    """aiter's ``_gfx950`` entry (keyword-only KVBlockSize and SplitKV, no Preshuffle or next_n_lens; heads
+    from ``SUPPORTED_HEADS`` or ``NUM_HEADS``, next_n up to ``NEXT_N_MAX``), or why ``fn`` is not it."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        return f"signature unreadable ({e})"
+    keyword_only = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    if not {"KVBlockSize", "SplitKV"} <= keyword_only or {"Preshuffle", "next_n_lens"} & set(params):
+        return "not the _gfx950 entry's signature"
+    home = importlib.import_module(fn.__module__)
+    heads = _ints(getattr(home, "SUPPORTED_HEADS", None) or getattr(home, "NUM_HEADS", None))
+    head_dim, block, next_n = (
+        _ints(getattr(home, n, None)) for n in ("HEAD_DIM", "KV_BLOCK_SIZE", "NEXT_N_MAX")
+    )
+    if None in (heads, head_dim, block, next_n) or len(head_dim) != 1 or len(next_n) != 1:
+        return "its module lacks readable SUPPORTED_HEADS/NUM_HEADS, HEAD_DIM, KV_BLOCK_SIZE, NEXT_N_MAX"
+    (dim,), (most,) = head_dim, next_n
+    description = "aiter's _gfx950 FlyDSL entry (no Preshuffle keyword)"
+    return KernelVariant(
+        "gfx950-entry", fn, location, description, heads, head_dim, block, dim + SCALE_BYTES, most, True,
+        ENTRY_WORKGROUPS_PER_CU,
+    )  # fmt: skip
+
+
 def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | str:
     """aiter's tuned dispatcher in ``module`` (identified by its functions, not its name), or why not."""
     fn, config = (
@@ -332,6 +376,20 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
     )
 
 
+def _with_entry(variant: KernelVariant) -> KernelVariant:
+    """``variant`` with aiter's ``_gfx950`` entry beside it where one is exported (never the dispatcher)."""
+    for path in () if variant.own_table else KERNEL_MODULES:
+        try:
+            module = importlib.import_module(path)
+            fn = getattr(module, ENTRY_NAME, None)
+            entry = identify_entry(fn, module, f"{path}.{ENTRY_NAME}") if callable(fn) else None
+        except Exception:  # noqa: BLE001 - no entry: the variant alone
+            continue
+        if isinstance(entry, KernelVariant) and fn is not variant.fn:
+            return dataclasses.replace(variant, entry=entry)
+    return variant
+
+
 def find_kernel() -> tuple[KernelVariant | None, str]:
     """The dispatcher if aiter has it, else the first FlyDSL kernel found, and what each probe found;
     never raises."""
@@ -352,6 +410,6 @@ def find_kernel() -> tuple[KernelVariant | None, str]:
         except Exception as e:  # noqa: BLE001 - any import or probe failure is a reason
             found = f"{type(e).__name__}: {e}"
         if isinstance(found, KernelVariant):
-            return found, "found"
+            return _with_entry(found), "found"
         problems.append(f"{path}: {found}")
     return None, "; ".join(problems)

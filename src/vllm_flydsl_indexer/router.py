@@ -24,19 +24,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_flydsl_indexer import selftest
+from vllm_flydsl_indexer import measure, selftest
 from vllm_flydsl_indexer.envs import HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.kernels import (
     AITER_DISTRIBUTIONS,
     BLOCK_OUTER_NOTE,
+    ENTRY_NAME,
     TUNER_WG_PER_CU,
     KernelVariant,
     cu_count,
+    describe,
     explicit_split_kv,
     installed_version,
+    shape_of,
 )
 from vllm_flydsl_indexer.target import StockHooks, multi_row_objection
-from vllm_flydsl_indexer.tuning import TunedTable
+from vllm_flydsl_indexer.tuning import ENTRY, TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
@@ -53,16 +56,6 @@ def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
         dcp_world_size, q.dtype, kv.dtype, w.dtype, w.shape, lens.dtype, bt.dtype, bt.shape,
         q.is_contiguous(), w.is_contiguous(), q.device,
     )  # fmt: skip
-
-
-def shape_of(q, kv) -> tuple:
-    """What FlyDSL compiles: ``(heads, head_dim, KVBlockSize, next_n)``."""
-    return q.shape[2], q.shape[3], kv.shape[1], q.shape[1]
-
-
-def describe(shape: tuple) -> str:
-    """A shape ``(heads, head_dim, KVBlockSize, next_n)`` in words."""
-    return "heads={} head_dim={} KVBlockSize={} next_n={}".format(*shape)
 
 
 def objection(
@@ -110,17 +103,21 @@ def objection(
     if variant.dispatch_objection is not None:
         # Where aiter's dispatcher picks Gluon it would re-tune Gluon's knobs: vLLM's original runs instead.
         return variant.dispatch_objection(args, block_size > 1)
-    pick = router.pick(q, kv)
-    if pick is None:
-        return None
-    table, shape = router.table, describe(shape_of(q, kv))
-    where = f"{table.name} on {table.gfx} with {cu_count(q.device)} CUs"
-    if pick[0] != "flydsl":
-        return f"{where} measured stock (Gluon) faster at some batch sizes of {shape}"
-    if pick[3] is not None:
-        return f"{where}: {pick[3]} for {shape}"
-    problem = variant.knob_problem(pick[2])
-    return None if problem is None else f"{where} measured FlyDSL with {problem}"
+    pick = router.pick(args, compress_ratio)
+    if pick is None or isinstance(pick, str):
+        return pick
+    backend, bucket, wg_per_cu, conflict, where = pick
+    shape, kernel = describe(shape_of(q, kv)), variant if backend != ENTRY else variant.entry
+    if backend == "gluon":
+        return f"{where} measured stock (Gluon) faster at batch {bucket} of {shape}"
+    if conflict is not None:
+        return f"{where}: {conflict} for {shape}"
+    if kernel is None:
+        return f"{where} picks aiter's {ENTRY_NAME} for {shape}, which this aiter does not export"
+    problem = (kernel is not variant and kernel.violation(q, kv, w, lens, bt)) or kernel.knob_problem(
+        wg_per_cu
+    )
+    return None if not problem else f"{where} measured FlyDSL with {problem}"
 
 
 @dataclass(slots=True)
@@ -133,6 +130,8 @@ class Route:
     kwargs: dict[str, object] = field(default_factory=dict)
     facts: tuple = ()  # the call's facts (call_facts) the verdict was decided on
     bounds: str = ""  # the kind of bounds: "(B,)" or "(B, next_n)"
+    fn: Callable | None = None  # aiter's _gfx950 entry where a measurement picked it; else the variant's
+    source: str = "no table: FlyDSL wherever eligible"  # what decided FlyDSL
     ready: bool = False  # compiled outside capture and announced: the plain fast path applies
 
 
@@ -165,9 +164,14 @@ class FlyDSLRouter:
         is_capturing: Callable[[], bool] = _is_capturing,
         table: TunedTable | None = None,
         self_test: bool = True,
+        tune: bool | None = None,
+        gfx: str = "gfx950",
     ) -> None:
         self.original, self.variant, self.hooks, self.logger = original, variant, hooks, logger
         self.is_capturing, self.table, self.self_test = is_capturing, table, self_test
+        # Shapes no table covers: None, FlyDSL (no table at all); True, measured (measure.py); False, stock.
+        self.tune, self.gfx, self.node, self.spent = tune, gfx, None, 0.0
+        self.verdicts: dict[tuple, tuple | str] = {}  # (shape key, batch bucket) -> measured pick or reason
         self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
         self.compiled: set[tuple] = set()
@@ -212,24 +216,37 @@ class FlyDSLRouter:
             compress_ratio=compress_ratio,
         )  # fmt: skip
 
-    def pick(self, q, kv) -> tuple | None:
-        """The table's ``(backend, bucket, wg_per_cu, conflict)`` for this call, or ``None``. A table with
-        no rows for this GPU's CU count is dropped first, with one line."""
-        table = self.table
-        if table is None:
-            return None
-        cus = cu_count(q.device)
-        if cus not in table.cu_counts():
+    def pick(self, args: tuple, compress_ratio: int) -> tuple | str | None:
+        """``(backend, bucket, wg_per_cu, conflict, source)`` for this call from the table, else this node's
+        measurement; a reason to stay stock; or ``None`` (no table at all: FlyDSL). A table with no rows for
+        this GPU's CU count is dropped first, with one line."""
+        q, kv, w, lens, bt, _, max_model_len = args
+        table, cus = self.table, cu_count(q.device)
+        if table is not None and cus not in table.cu_counts():
             level = logging.INFO if table.origin == "built-in" else logging.WARNING
             counts = sorted(table.cu_counts())
             line = (
                 f"{table.name} has {table.gfx} rows for CU count(s) {counts}, none for this GPU's {cus} CUs"
             )
             self.logger.log(level, "%s %s", TABLE_IGNORED_LINE, line)
-            self.table = None
-            return None
+            self.table = table = None
         batch, next_n, heads, head_dim = q.shape
-        return table.choice(cus, batch, next_n, heads, head_dim, kv.shape[1])
+        pick = table.choice(cus, batch, next_n, heads, head_dim, kv.shape[1]) if table is not None else None
+        if pick is not None:
+            return (*pick, f"{table.name} on {table.gfx} with {cus} CUs")
+        if self.tune is None:
+            return None
+        routes, bucket = [], measure.bucket_of(batch)
+        for kernel in (self.variant, self.variant.entry):
+            fits = kernel is self.variant or (
+                kernel is not None and kernel.violation(q, kv, w, lens, bt) is None
+            )
+            kwargs = kernel.launch_kwargs(bucket, kv.shape[1], max_model_len, cus) if fits else {}
+            bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
+            routes.append(
+                Route(None, shape_of(q, kv), None, kwargs, bounds=bounds, fn=kernel.fn) if fits else None
+            )
+        return measure.verdict(self, args, compress_ratio, routes)
 
     def _flydsl_or_none(
         self, key: tuple, route: Route | None, args: tuple, facts: tuple, compress_ratio: int, caller
@@ -253,25 +270,27 @@ class FlyDSLRouter:
         q, kv, w, lens, bt, _, max_model_len = args
         shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
         facts = facts or call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size())
-        reason = self.failed.get(shape) or objection(self, args, compress_ratio, caller, facts[0])
+        # The rules come first: every rank of a TP group reaches a bucket's measurement, failed shape or not.
+        reason = objection(self, args, compress_ratio, caller, facts[0]) or self.failed.get(shape)
         if reason is not None:
             route = Route(reason)
             self.logger.info_once("%s %s", STOCK_CALL_LINE, reason, scope="process")
         else:
-            pick = self.pick(q, kv)
-            cus = cu_count(q.device)
-            kwargs = self.variant.launch_kwargs(
-                q.shape[0], kv.shape[1], max_model_len, cus, pick[2] if pick else 0
+            pick = self.pick(args, compress_ratio)
+            kernel = self.variant.entry if pick and pick[0] == ENTRY else self.variant
+            kwargs = kernel.launch_kwargs(
+                q.shape[0], kv.shape[1], max_model_len, cu_count(q.device), pick[2] if pick else 0
             )
             bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
-            route = Route(None, shape, caller, kwargs, facts, bounds)
-        if len(self.routes) < MAX_MEMOISED_VERDICTS:
+            fn = kernel.fn if kernel is not self.variant else None
+            route = Route(None, shape, caller, kwargs, facts, bounds, fn, *pick[4:] if pick else ())
+        if len(self.routes) < MAX_MEMOISED_VERDICTS and reason != measure.IN_CAPTURE:
             self.routes[key] = route
         return route
 
     def _first_calls(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
         """A route's first calls (the capture guard, the self-test): FlyDSL's answer, or ``None``."""
-        untested = self.self_test and (route.shape, route.bounds) not in self.self_tests
+        untested = self.self_test and (route.shape, route.bounds, route.fn) not in self.self_tests
         if self.is_capturing() and (route.shape not in self.compiled or untested):
             # FlyDSL JIT-compiles a shape on its first call, and the self-test allocates and syncs:
             # neither may happen inside graph capture, so this graph keeps stock.
@@ -283,13 +302,19 @@ class FlyDSLRouter:
             )
             self.logger.warning_once("%s %s", STOCK_CALL_LINE, line, scope="process")
             return None
-        if untested:
-            problem = self._self_test(route, args, compress_ratio)
-            self.self_tests[(route.shape, route.bounds)] = problem
+        if untested and self._tested(route, args, compress_ratio) is not None:
+            return None
+        return self._launch(route, args)
+
+    def _tested(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
+        """The route's self-test, once per shape, kind of bounds and kernel: ``None`` if it passed (or is
+        off); a failure sends the shape to stock, with one ERROR."""
+        key = (route.shape, route.bounds, route.fn)
+        if self.self_test and key not in self.self_tests:
+            self.self_tests[key] = problem = self._self_test(route, args, compress_ratio)
             if problem is not None:
                 self._shape_failed(route.shape, f"self-test failed: {problem}")
-                return None
-        return self._launch(route, args)
+        return self.self_tests.get(key)
 
     def _self_test(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
         """FlyDSL itself on a small synthetic problem of this shape, against stock: ``None`` if they agree.
@@ -308,7 +333,7 @@ class FlyDSLRouter:
             launches = {"forced through aiter's dispatcher": {**kwargs, "live": args}}
         else:
             launches = {"at its default launch": kwargs}
-        fn = self.variant.flydsl or self.variant.fn
+        fn = route.fn or self.variant.flydsl or self.variant.fn
         try:
             stock = functools.partial(self.original, compress_ratio=compress_ratio)
             launch = {name: functools.partial(self._flydsl, fn, knobs) for name, knobs in launches.items()}
@@ -327,7 +352,7 @@ class FlyDSLRouter:
         q, kv, w, lens, bt, _, max_model_len = args
         out = self.hooks.output_buffer(q.shape[0] * q.shape[1], max_model_len)
         try:
-            self.variant.fn(
+            (route.fn or self.variant.fn)(
                 q, kv, w, out, self.hooks.per_sequence_lens(lens), bt, max_model_len, **route.kwargs
             )
         except ARGUMENT_ERRORS as e:
@@ -351,10 +376,12 @@ class FlyDSLRouter:
             self.compiled.add(route.shape)
             route.ready = True
             tested = (
-                "; self-test passed" if self.self_tests.get((route.shape, route.bounds), "") is None else ""
+                "; self-test passed"
+                if self.self_tests.get((route.shape, route.bounds, route.fn), "") is None
+                else ""
             )
-            table = f"; per shape: {self.table.name}" if self.table is not None else ""
-            where = f"caller {route.caller or 'unknown'}; {self.variant.location}{table}{tested}"
+            location = self.variant.entry.location if route.fn else self.variant.location
+            where = f"caller {route.caller or 'unknown'}; {location}; {route.source}{tested}"
             self.logger.info_once(
                 "%s FlyDSL taken for %s (%s)", HEAD, describe(route.shape), where, scope="process"
             )

@@ -135,6 +135,7 @@ class StockHooks:
     Gluon kernel here, or ``None``. ``output_buffer(rows, max_model_len)``: the logits buffer, taken as
     the original takes it. ``per_sequence_lens(context_lens)``: vLLM's reduction to one length per
     sequence. ``dcp_world_size()``. ``preshuffle(block_size)``: the ``Preshuffle`` the original passes.
+    ``tp_group()``: vLLM's tensor-parallel CPU group (``None`` alone) and this rank in it.
     """
 
     gluon_objection: Callable[[int, int], str | None]
@@ -142,6 +143,7 @@ class StockHooks:
     per_sequence_lens: Callable[[object], object]
     dcp_world_size: Callable[[], int]
     preshuffle: Callable[[int], bool]
+    tp_group: Callable[[], tuple[object, int]] = lambda: (None, 0)
 
 
 def _resolve(owner: object, name: str, flag: bool = False):
@@ -174,6 +176,14 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
     gluon_module = _resolve(target, "paged_mqa_logits_module")
     workspace = _resolve(target, "current_workspace_manager")
     dcp = _resolve(parallel_state, "get_dcp_world_size_and_rank")
+    tp, tp_ready = (
+        _resolve(parallel_state, "get_tp_group"),
+        _resolve(parallel_state, "model_parallel_is_initialized"),
+    )
+
+    def tp_group() -> tuple[object, int]:
+        group = tp() if tp_ready() else None  # not initialised: a process alone
+        return (group.cpu_group, group.rank_in_group) if group and group.world_size > 1 else (None, 0)
 
     def gluon_objection(compress_ratio: int, block_size: int) -> str | None:
         """The original's own conditions, in its order (the fingerprint holds them to the audit)."""
@@ -205,7 +215,7 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
             return block_size > 1
 
     lens = _resolve(target, "_per_sequence_context_lens")
-    return StockHooks(gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle)
+    return StockHooks(gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle, tp_group)
 
 
 # Every audited call site: ``None`` where FlyDSL may take ``next_n > 1`` from it (with

@@ -19,7 +19,6 @@ with the same launch from the same kind of file (``docs/aiter-kernels.md``, "The
 from __future__ import annotations
 
 import csv
-import importlib.util
 import io
 import logging
 import os
@@ -39,8 +38,8 @@ KEY_COLUMNS = COLUMNS[:8]
 SIZE_COLUMNS = ("cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size")
 # aiter's reader skips lines starting with this.
 COMMENT = "#"
-# Where an aiter without the dispatcher may still ship its measured table.
-AITER_TABLE = ("aiter", "configs/paged_mqa_logits_tuned.csv")
+# A row's backend naming aiter's ``flydsl_fp8_paged_mqa_logits_gfx950`` entry (this package's rows only).
+ENTRY = "flydsl_gfx950"
 # $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (or another of OFF_VALUES; trimmed, case-insensitive): no table at all.
 OFF_VALUES = ("none", "off", "0", "false")
 # The built-in table: AMD's MI355X measurements (aiter PR #6140 at 39029932), shipped as package data with
@@ -72,7 +71,7 @@ def usable_row(row: dict) -> tuple[str, tuple, int, str, int] | None:
     gfx = arch_of(cells["gfx"])
     if min(cus, batch, next_n, heads, head_dim, kvb) < 1 or preshuffle is not (kvb > 1) or not gfx.isalnum():
         return None  # no call can match a preshuffle other than KVBlockSize > 1
-    if backend not in ("flydsl", "gluon"):
+    if backend not in ("flydsl", "gluon", ENTRY):
         return None
     wg = int(float(cells["wg_per_cu"])) if backend == "flydsl" else 0
     return gfx, (cus, next_n, heads, head_dim, kvb), batch, backend, wg
@@ -103,11 +102,12 @@ class TunedTable:
             if tuned:
                 measured = buckets[max(tuned)]
                 knobs = sorted({knob for _, knob in measured})
-                if any(backend != "flydsl" for backend, _ in measured):
+                backends = {backend for backend, _ in measured}
+                if len(backends) > 1 or "gluon" in backends:
                     pick = ("gluon", max(tuned), 0, None)
                 else:
                     conflict = f"its FlyDSL rows disagree on wg_per_cu ({knobs})" if len(knobs) > 1 else None
-                    pick = ("flydsl", max(tuned), knobs[0], conflict)
+                    pick = (backends.pop(), max(tuned), knobs[0], conflict)
             self._picks[args] = pick
         return self._picks[args]
 
@@ -147,18 +147,6 @@ def read(path: str, gfx: str, origin: str = "env") -> TunedTable | str:
     return parse(text, gfx, BUILTIN_LABEL if origin == "built-in" else path, origin)
 
 
-def _aiter_table() -> str | None:
-    """The table the installed aiter ships, found without importing aiter; ``None`` if none."""
-    try:
-        spec = importlib.util.find_spec(AITER_TABLE[0])
-    except Exception:  # noqa: BLE001 - no aiter, or one that fails to import
-        return None
-    for folder in (spec.submodule_search_locations or ()) if spec is not None else ():
-        if (Path(folder) / AITER_TABLE[1]).is_file():
-            return str(Path(folder) / AITER_TABLE[1])
-    return None
-
-
 def sources(env_value: str | None, variant: str | None) -> list[tuple[str | None, str, str]]:
     """``(path, origin, label)`` of each table for the found kernel ``variant``, in precedence order; the
     last has no path (``None``): no table, with what then decides."""
@@ -168,13 +156,10 @@ def sources(env_value: str | None, variant: str | None) -> list[tuple[str | None
     found: list[tuple[str | None, str, str]] = []
     if value:
         found.append((value, "env", f"tuned table {value} ({TUNED_CSV})"))
-    shipped = _aiter_table()
-    if shipped is not None:
-        found.append((shipped, "aiter", f"tuned table {shipped} (shipped with aiter)"))
     if variant == BUILTIN_VARIANT:
         found.append((BUILTIN_PATH, "built-in", BUILTIN_LABEL))
-    none = f"no measurement for the {variant or 'found'} FlyDSL kernel: FlyDSL wherever eligible"
-    return [*found, (None, "none", f"{none} (vllm-flydsl-indexer bench --tune measures this node)")]
+    none = "shapes no table covers: this node's measurement (vllm-flydsl-indexer tune), else stock"
+    return [*found, (None, "none", none)]
 
 
 def load(variant: str | None, gfx: str, logger: logging.Logger) -> tuple[TunedTable | None, str]:

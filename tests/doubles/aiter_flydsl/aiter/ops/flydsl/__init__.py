@@ -3,6 +3,8 @@
 
 ``$AITER_DOUBLE_FLYDSL`` picks which API the name ``flydsl_fp8_paged_mqa_logits``
 means, as different aiter revisions do: ``general`` (default; aiter PR #4221),
+``general+entry`` (the general kernel with aiter's ``_gfx950`` entry beside it,
+aiter f33a573e/6c1c496c),
 ``gfx950`` (the gfx950-specialised kernel), ``gfx950-early`` (its earlier
 revision for heads 32/64 and next_n 1..2, e.g. aiter 9661da3a) and
 ``gfx950-padded-q`` (its revision that takes q padded to ``MAX_NN`` rows, e.g.
@@ -18,6 +20,11 @@ _WHICH = os.environ.get("AITER_DOUBLE_FLYDSL", "general")
 
 if _WHICH == "general":
     from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits import flydsl_fp8_paged_mqa_logits  # noqa: F401
+elif _WHICH == "general+entry":
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits import flydsl_fp8_paged_mqa_logits  # noqa: F401
+    from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_entry import (  # noqa: F401
+        flydsl_fp8_paged_mqa_logits_gfx950,
+    )
 elif _WHICH == "gfx950":
     from aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950 import (  # noqa: F401
         flydsl_fp8_paged_mqa_logits,
