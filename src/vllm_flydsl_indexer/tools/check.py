@@ -342,9 +342,10 @@ def render(
         ]
     elif paths.router.self_tests:
         lines += ["", SELF_TEST_SECTION]
-        for (shape, bounds), problem in paths.router.self_tests.items():
+        for (shape, bounds, fn), problem in paths.router.self_tests.items():
             said = "passed" if problem is None else f"FAILED ({problem}): this configuration stays stock"
-            lines.append(f"  {describe(shape)} bounds {bounds}: {said}")
+            entry = " (aiter's _gfx950 entry)" if fn is not None else ""
+            lines.append(f"  {describe(shape)} bounds {bounds}{entry}: {said}")
     behaviours = behaviours or []
     self_tests = self_tests or []
     if behaviours:
