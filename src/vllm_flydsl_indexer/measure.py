@@ -75,13 +75,13 @@ def load_cache(path: Path, gfx: str, cus: int, logger) -> tuning.TunedTable:
 
 
 def write_cache(path: Path, rows: list[dict]) -> None:
-    """Merge ``rows`` into ``path`` (a row of the same key replaced; a file that does not parse replaced
+    """Merge ``rows`` into ``path`` (a row of the same key replaced; a corrupt or foreign file replaced
     whole) under an exclusive lock, through a temporary file and an atomic rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        kept = {}
-        if isinstance(tuning.read(str(path), rows[0]["gfx"], "node"), tuning.TunedTable):
+        kept, old = {}, tuning.read(str(path), rows[0]["gfx"], "node") if path.exists() else None
+        if isinstance(old, tuning.TunedTable) and not old.skipped and old.cu_counts() == {rows[0]["cu_num"]}:
             text = "".join(line for line in io.StringIO(tuning.read_capped(str(path))) if line[:1] != "#")
             kept = {tuple(r.get(c) for c in tuning.KEY_COLUMNS): r for r in csv.DictReader(io.StringIO(text))}
         kept.update({tuple(str(r[c]) for c in tuning.KEY_COLUMNS): r for r in rows})
