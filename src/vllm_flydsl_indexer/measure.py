@@ -1,25 +1,19 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Never FlyDSL blind: a shape bucket no table covers is timed on this GPU once, agreed by the
-tensor-parallel group, and cached on the node. Imports no vLLM (the TP group comes from the hooks).
+"""Never FlyDSL blind: a bucket no table covers is timed on this GPU once, agreed by the TP group, cached.
 
-* **Bucket:** ``(CUs, next_n, heads, head_dim, KVBlockSize)`` and the batch's power-of-two floor, the key of
-  a tuned-CSV row. Decided at its first eager call (:func:`verdict`, the router's last rule); a bucket first
-  seen in graph capture stays stock, unmemoised, until an eager call decides it.
-* **The problem:** ``bucket`` sequences at the contexts AMD's tuner uses (:data:`CONTEXTS`, clamped to
-  ``max_model_len``: how the CPU simulation shrinks it), the same for every candidate: pages of the live
-  indexer cache (timing reads no value), fresh q and weights (at most :data:`MAX_EXTRA_BYTES` with the block
-  tables), the logits in vLLM's workspace. Candidates: stock, the router's FlyDSL launch, and aiter's
-  ``_gfx950`` entry where its contract takes the shape; each FlyDSL one self-tested first (failed: no figure).
-* **Timing:** device events (``perf_counter`` on CPU); per candidate and context one untimed call (its
-  compilation), then repeats within an equal share of :data:`BUCKET_BUDGET_S`; the geomean over contexts.
-  After :data:`PROCESS_BUDGET_S` of measuring, or on any exception, this rank has no figures.
-* **One verdict per TP group:** every rank enters exactly one all-reduce (MAX, over vLLM's TP CPU group) per
-  bucket, at that first eager call, whatever it holds: cached or measured figures, or +inf. The slowest
-  rank counts; a missing stock figure anywhere leaves the bucket stock. FlyDSL must beat stock by
-  :data:`MARGIN`.
-* **The node cache:** aiter's tuned-CSV format under vLLM's cache root, named by gfx, CUs and the aiter and
-  flydsl versions; group rank 0 merges its rows under a lock and replaces the file atomically. A corrupt or
-  foreign file gets one WARNING and is rewritten.
+* **When:** a bucket (a tuned-CSV row's key: CUs, next_n, heads, head_dim, KVBlockSize, the batch's
+  power-of-two floor) is decided at its first eager call, the router's last rule (:func:`verdict`); one
+  first seen in graph capture stays stock, unmemoised, until an eager call decides it.
+* **What:** stock, the router's FlyDSL launch and aiter's ``_gfx950`` entry where it takes the shape (each
+  self-tested first), on one problem: ``bucket`` sequences at AMD's tuner contexts (:data:`CONTEXTS`, clamped
+  to ``max_model_len``: how the CPU simulation shrinks it) over the live cache's pages, fresh q and weights,
+  the logits in vLLM's workspace. Device events (``perf_counter`` on CPU): one untimed call, then repeats in
+  an equal share of :data:`BUCKET_BUDGET_S`; geomean over contexts; :data:`PROCESS_BUDGET_S` in all.
+* **One verdict per TP group:** every rank enters one all-reduce (MAX over vLLM's TP CPU group) per bucket,
+  whatever it holds (cached or measured figures, or +inf for none): the slowest rank counts, a missing
+  stock figure keeps stock, FlyDSL must win by :data:`MARGIN`.
+* **Cached** in aiter's tuned-CSV format under vLLM's cache root, named by gfx, CUs, aiter and flydsl;
+  written by group rank 0 under a lock, atomically; a corrupt or foreign file: one WARNING, rewritten.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The measured per-shape choice between FlyDSL and stock, read from an aiter-format tuned CSV.
 
-Where aiter has its tuned dispatcher, its own table decides. Otherwise the plugin makes the same choice
-with the same launch from the same kind of file (``docs/aiter-kernels.md``, "The tuned table"):
+Where aiter has its tuned dispatcher, its own table decides; otherwise the same choice and launch, from the
+same kind of file (``docs/aiter-kernels.md``, "The tuned table"):
 
-* **Where from** (:func:`sources`), the first usable one winning, read once at registration:
-  ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` (one of :data:`OFF_VALUES`: no table); the table the installed aiter
-  ships; the built-in one (AMD's MI355X measurements), for the kernel it was measured on only; else none.
-* **Read leniently, as aiter's reader does:** rows it cannot use are skipped, with one WARNING per file
-  that names how many and sends to ``vllm-flydsl-indexer doctor`` for the reasons (the tools validate every
-  cell). A file with no usable row for this GPU falls to the next source, with one WARNING.
-* **Lookup, as aiter's:** this GPU's rows (``gfx``, ``cu_num``) and shape; of those, the largest tuned
-  ``batch_size`` at or below the call's. That bucket's rows must all say ``flydsl`` with one ``wg_per_cu``
-  for FlyDSL, launched as aiter's dispatcher turns it into SplitKV (``0``: the default).
-* **Not covered:** FlyDSL where eligible, at the default launch.
+* **Where from** (:func:`sources`, read once at registration, the first usable one winning):
+  ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` (:data:`OFF_VALUES`: no table, FlyDSL wherever eligible), else the
+  built-in one (AMD's MI355X measurements) for the kernel it measured. Shapes it does not cover go to this
+  node's cache and measurement (:mod:`~vllm_flydsl_indexer.measure`), the same format.
+* **Read leniently, as aiter's reader:** unusable rows are skipped with one WARNING per file (``doctor``
+  says why); a file with no usable row for this GPU falls to the next source, with one WARNING.
+* **Lookup, as aiter's:** this GPU's rows (``gfx``, ``cu_num``) and shape; the largest tuned ``batch_size``
+  at or below the call's. Its rows must agree on one backend (and ``wg_per_cu``, aiter's SplitKV rule).
 """
 
 from __future__ import annotations
