@@ -118,7 +118,9 @@ def measure(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     most = -(-min(max(CONTEXTS), max_model_len) // block_size)
     if rows * heads * (head_dim + 4) + bucket * most * 4 > MAX_EXTRA_BYTES:
         raise MemoryError(f"the timing problem needs more than {MAX_EXTRA_BYTES >> 20} MiB")
-    qb = torch.randn(bucket, next_n, heads, head_dim, device=device).to(q.dtype)
+    qb = torch.randint(1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device).view(
+        q.dtype
+    )
     wb = torch.rand(rows, heads, device=device)
     share = BUCKET_BUDGET_S / (1 + sum(r is not None for r in routes)) / len(CONTEXTS)
     figures: list[list[float]] = [[] for _ in range(len(routes) + 1)]
@@ -133,7 +135,9 @@ def measure(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
         out = router.hooks.output_buffer(rows, max_model_len)
         for i, route in enumerate(routes, 1):
             if route is not None:
-                launch = functools.partial(router._flydsl, route.fn, route.kwargs, problem, out)
+                launch = functools.partial(
+                    router._flydsl, route.fn or router.variant.fn, route.kwargs, problem, out
+                )
                 figures[i].append(_time(launch, device, share))
     return [math.exp(sum(map(math.log, f)) / len(f)) if f else math.inf for f in figures]
 

@@ -236,16 +236,13 @@ class FlyDSLRouter:
             return (*pick, f"{table.name} on {table.gfx} with {cus} CUs")
         if self.tune is None:
             return None
-        routes, bucket = [], measure.bucket_of(batch)
-        for kernel in (self.variant, self.variant.entry):
-            fits = kernel is self.variant or (
-                kernel is not None and kernel.violation(q, kv, w, lens, bt) is None
-            )
-            kwargs = kernel.launch_kwargs(bucket, kv.shape[1], max_model_len, cus) if fits else {}
-            bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
-            routes.append(
-                Route(None, shape_of(q, kv), None, kwargs, bounds=bounds, fn=kernel.fn) if fits else None
-            )
+        entry, bucket = self.variant.entry, measure.bucket_of(batch)
+        fits = entry is not None and entry.violation(q, kv, w, lens, bt) is None
+        routes = [
+            Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, kv.shape[1], max_model_len, cus),
+                  bounds="(B, next_n)" if lens.dim() == 2 else "(B,)", fn=fn) if ok else None
+            for kernel, fn, ok in ((self.variant, None, True), (entry, entry and entry.fn, fits))
+        ]  # fmt: skip
         return measure.verdict(self, args, compress_ratio, routes)
 
     def _flydsl_or_none(
