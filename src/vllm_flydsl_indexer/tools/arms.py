@@ -53,6 +53,7 @@ __all__ = [
     "detect_arms",
     "device_is_gfx950",
     "from_defining_module",
+    "kernel_arms",
     "mirror_hooks",
     "patched_call",
     "per_sequence_context_lens",
@@ -180,6 +181,16 @@ def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
         variant.fn,
         variant,
     )
+
+
+def kernel_arms(variant: KernelVariant) -> Arms | str:
+    """The real arms over the found FlyDSL ``variant``, whatever the device (``tune --model`` decides the
+    device itself), or why aiter's Gluon kernel, stock's, is not found."""
+    gluon, where = _find_gluon()
+    if gluon is None:
+        return f"aiter's Gluon kernel, which stock runs, not found ({where})"
+    label = f"real kernels: aiter Gluon vs aiter FlyDSL ({variant.name})"
+    return Arms(True, label, f"{where}, {variant.location}", gluon, variant.fn, variant)
 
 
 class Workspace:

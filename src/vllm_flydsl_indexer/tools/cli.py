@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-flydsl-indexer``: doctor, check and bench.
+"""``vllm-flydsl-indexer``: doctor, check, bench and tune.
 
 The parser is built without importing torch (``--help`` is instant); each
 command imports what it needs after its arguments have been validated.
@@ -50,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
             help="A/B benchmark of the decode logits",
             description=f"A/B benchmark of the decode logits. Outputs: {outputs.OUTPUT_RULE}. "
             f"{settings.STOP_BENCH}",
+        )
+    )
+    cli_args.add_tune_arguments(
+        sub.add_parser(
+            "tune",
+            help="measure a model's buckets on this GPU now, into the node cache the plugin reads",
+            description="Measure, ahead of serving, every bucket a model's indexer will use (its heads, "
+            "next_n, KVBlockSize 64 and vLLM's CUDA-graph batch buckets) exactly as the plugin measures a "
+            "bucket at its first use, into this node's cache, which the plugin then reads. "
+            f"{settings.STOP_TUNE_MODEL}",
         )
     )
     return parser
@@ -107,6 +117,13 @@ def _run(args: argparse.Namespace) -> int:
         from vllm_flydsl_indexer.tools import doctor
 
         return doctor.main(as_json=args.json, strict=args.strict, model=model)
+    if args.command == "tune":
+        problem = cli_args.tune_model_problem(args)  # before torch, aiter or vLLM is imported
+        if problem is not None:
+            settings.fail(f"{settings.PROG} tune", problem)
+        from vllm_flydsl_indexer.tools import tune_model
+
+        return tune_model.main(args)
     problem = cli_args.validate(args)
     if problem is not None:
         settings.fail(f"{settings.PROG} {args.command}", problem)

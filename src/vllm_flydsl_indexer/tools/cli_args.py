@@ -46,9 +46,13 @@ from vllm_flydsl_indexer.tools.settings import (
     MAX_WARMUP,
     NOT_WITH_TUNE,
     PLOT_HINT,
+    PROG,
     SEED_LIMIT,
     TUNE_DRY_RUN,
+    TUNE_MAX_MODEL_LEN,
+    TUNE_MODEL_MAX_NEXT_N,
     TUNE_NEEDS,
+    VLLM_CAPTURE_SIZES,
     fail,
     kv_pool_bytes,
     shape_fits,
@@ -64,6 +68,7 @@ __all__ = [
     "Sized",
     "add_bench_arguments",
     "add_check_arguments",
+    "add_tune_arguments",
     "arm_list",
     "block_size_list",
     "check_model",
@@ -80,6 +85,7 @@ __all__ = [
     "positive_int_list",
     "seed",
     "tune_file",
+    "tune_model_problem",
     "tune_problem",
     "validate",
 ]
@@ -368,8 +374,59 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=output_path,
         metavar="OUT.csv",
         help="time Gluon vs FlyDSL per shape (gfx950) and merge the winners into an aiter-format tuned CSV "
-        "(new, empty, or one written before); --json also writes the tuned rows",
+        "(new, empty, or one written before) that VLLM_FLYDSL_INDEXER_TUNED_CSV names; --json also writes "
+        f"the tuned rows. For this node's cache, which the plugin reads itself, run {PROG} tune --model M",
     )
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    """``tune --model M``: the buckets one model uses, measured as the plugin measures them."""
+    p.add_argument(
+        "--model",
+        required=True,
+        metavar="M",
+        help="what doctor --model takes: a model directory, a Hugging Face model id in the local cache "
+        "(or deepseek-ai/DeepSeek-V3.2), or a model_type",
+    )
+    p.add_argument(
+        "--next-n",
+        type=positive_int_list,
+        help="comma list of decode rows per sequence (default 1, and 1 + the model's MTP layers where its "
+        f"config.json has num_nextn_predict_layers; at most {TUNE_MODEL_MAX_NEXT_N})",
+    )
+    p.add_argument(
+        "--max-batch",
+        type=positive_int,
+        metavar="B",
+        help=f"measure batch buckets up to B only (default: every power of two vLLM's default CUDA-graph "
+        f"capture sizes reach, 1 to {max(VLLM_CAPTURE_SIZES)})",
+    )
+
+
+def tune_model_problem(args: argparse.Namespace) -> str | None:
+    """What ``tune --model`` cannot take, before any work: a model it cannot resolve, one whose calls never
+    reach FlyDSL, a --next-n too large."""
+    from vllm_flydsl_indexer.tools import reach
+
+    try:
+        model_type, _ = reach.resolve(args.model)
+    except reach.ModelError as e:
+        return str(e)
+    model = reach.MODELS[model_type]
+    if model.layout != reach.LAYER_CONTIGUOUS:
+        takes = ", ".join(t for t, m in reach.MODELS.items() if m.layout == reach.LAYER_CONTIGUOUS)
+        return (
+            f"--model {args.model}: {model.label}'s indexer cache is block-outer ({model.layout}, as "
+            f"{reach.PINNED_RELEASES} resolve it), so its calls stay stock and there is nothing to measure; "
+            f"accepted: a model on a layer-contiguous cache ({takes})"
+        )
+    too_big = [n for n in args.next_n or () if n > TUNE_MODEL_MAX_NEXT_N]
+    if too_big:
+        return (
+            f"argument --next-n: each value must be at most {TUNE_MODEL_MAX_NEXT_N} (one sequence's logits "
+            f"under 2 GiB at max_model_len {TUNE_MAX_MODEL_LEN}), got {too_big[0]}"
+        )
+    return None
 
 
 # ------------------------------------------------------------------ what needs the machine

@@ -20,6 +20,7 @@ import ast
 import importlib
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -32,6 +33,7 @@ from vllm_flydsl_indexer.tools.models import BY_NAME, REPORT_BLOCK_SIZES, REPORT
 
 __all__ = [
     "BLOCK_OUTER",
+    "HUB_MODEL_IDS",
     "LAYER_CONTIGUOUS",
     "MODELS",
     "PINNED_MXFP4_MODELS",
@@ -184,11 +186,33 @@ class ModelError(ValueError):
 SHAPE_MODEL_TYPES = {"deepseek-v3.2": "deepseek_v32", "glm-5": "glm_moe_dsa"}
 
 
+# Hugging Face model ids taken without their config.json in the local cache (no download, ever): each
+# stands for its model type, its shape from this package's model table.
+HUB_MODEL_IDS = {
+    "deepseek-ai/DeepSeek-V3.2": "deepseek_v32",
+    "deepseek-ai/DeepSeek-V3.2-Exp": "deepseek_v32",
+}
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
 def accepted() -> str:
     return (
-        f"a Hugging Face model directory with a config.json, or one of {', '.join(MODELS)} "
+        f"a Hugging Face model directory with a config.json, a model id whose config.json is in the local "
+        f"Hugging Face cache (or one of {', '.join(HUB_MODEL_IDS)}), or one of {', '.join(MODELS)} "
         f"(or {', '.join(SHAPE_MODEL_TYPES)})"
     )
+
+
+def _cached_config_file(model_id: str) -> Path | None:
+    """The config.json of ``model_id`` in the local Hugging Face cache (``HF_HOME``, ``HF_HUB_CACHE``), read
+    without the network, or ``None``; never raises."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # noqa: BLE001 - no huggingface_hub, or an id it refuses: not cached
+        return None
+    return Path(found) if isinstance(found, str) else None
 
 
 # The config.json fields doctor reads besides model_type, each a positive integer when present.
@@ -214,8 +238,9 @@ def _config_problem(config: object) -> str | None:
 
 
 def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
-    """``(model_type, config)`` of ``--model``: a model directory, a bare model type (config ``None``),
-    or one of ``check --model``'s shape names (the model type it names first)."""
+    """``(model_type, config)`` of ``--model``: a model directory, a Hugging Face model id (its config.json
+    from the local cache; else one of :data:`HUB_MODEL_IDS`, config ``None``), a bare model type (config
+    ``None``), or one of ``check --model``'s shape names (the model type it names first)."""
     if not arg.strip():  # Path("") is the current directory: never read it by accident
         raise ModelError(f"--model {arg}: is empty; expected {accepted()}")
     path = Path(arg)
@@ -228,8 +253,9 @@ def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
                 f"--model {arg}: cannot be looked up as a path ({why}); expected {accepted()}"
             ) from None
         is_dir = False
-    if is_dir:
-        config_file = path / "config.json"
+    hub_config = None if is_dir or not HUB_ID.fullmatch(arg) else _cached_config_file(arg)
+    if is_dir or hub_config is not None:
+        config_file = hub_config or path / "config.json"
         try:
             config = json.loads(files.read_text(str(config_file)))
         except RecursionError:
@@ -244,9 +270,12 @@ def resolve(arg: str) -> tuple[str, dict[str, Any] | None]:
         if problem is not None:
             raise ModelError(f"--model {arg}: {config_file} {problem}")
         return config["model_type"], config
-    model_type = SHAPE_MODEL_TYPES.get(arg, arg)
+    model_type = SHAPE_MODEL_TYPES.get(arg, HUB_MODEL_IDS.get(arg, arg))
     if model_type not in MODELS:
-        raise ModelError(f"--model {arg}: not a directory or a known model type; expected {accepted()}")
+        what = "a known model type"
+        if HUB_ID.fullmatch(arg):
+            what += ", nor a Hugging Face model id with its config.json in the local cache"
+        raise ModelError(f"--model {arg}: not a directory or {what}; expected {accepted()}")
     return model_type, None
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "BENCH_ARMS",
     "STOP_BENCH",
     "STOP_CHECK",
+    "STOP_TUNE_MODEL",
     "BENCH_CPU_GRID",
     "BENCH_GPU_GRID",
     "BENCH_TIMING",
@@ -37,6 +38,10 @@ __all__ = [
     "PROG",
     "REAL_CHECK",
     "TUNE_GPU_GRID",
+    "TUNE_MODEL_BLOCK_SIZE",
+    "TUNE_MODEL_CPU_MAX_MODEL_LEN",
+    "TUNE_MODEL_MAX_NEXT_N",
+    "VLLM_CAPTURE_SIZES",
     "TUNE_MAX_MODEL_LEN",
     "TUNE_REFERENCE_GRID",
     "fail",
@@ -99,6 +104,17 @@ TUNE_REFERENCE_GRID = dict(heads=HEADS, block_size=(64, 1), next_n=(1, 2), batch
 # The logits row width every bench --tune candidate is launched with (aiter's tuner's
 # DEFAULT_MAX_MODEL_LEN): the FlyDSL SplitKV rule caps SplitKV at the pages of max_model_len.
 TUNE_MAX_MODEL_LEN = 131072
+# tune --model: vLLM's default CUDA-graph capture sizes, in tokens per decode step (vLLM 0.33.0
+# vllm/config/vllm.py, VllmConfig._set_cudagraph_sizes, off Blackwell: 1, 2, 4, multiples of 8 below 256,
+# multiples of 16 from 256 to its ceiling min(2 * max_num_seqs * decode_query_len, 512)). A step of next_n
+# rows per sequence holds size // next_n sequences; their power-of-two floors are the batch buckets.
+VLLM_CAPTURE_SIZES = (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+# The indexer cache's KVBlockSize on ROCm (preshuffled): the production layout check and AMD's table use.
+TUNE_MODEL_BLOCK_SIZE = 64
+# tune --model's logits row width without a GPU (the simulation): measure.py clamps its contexts to it.
+TUNE_MODEL_CPU_MAX_MODEL_LEN = 1024
+# One sequence's logits at TUNE_MAX_MODEL_LEN stay under 2 GiB.
+TUNE_MODEL_MAX_NEXT_N = (I32_LIMIT - 1) // (TUNE_MAX_MODEL_LEN * 4)
 # bench's timing defaults per device type: (timed iterations, input sets rotated); tune's too.
 BENCH_TIMING = {"cuda": (20, 4), "cpu": (3, 2)}
 
@@ -172,4 +188,8 @@ STOP_CHECK = (
 STOP_BENCH = (
     "A SIGINT, SIGTERM or SIGHUP stops at the next timed call (within one call, whatever --repeats), "
     "drops the shape under way and writes what finished; a second stops at once; exit 130 either way."
+)
+STOP_TUNE_MODEL = (
+    "A SIGINT, SIGTERM or SIGHUP stops after the bucket under way (each is written to the cache as it "
+    "finishes) and prints the buckets that finished; a second stops at once; exit 130 either way."
 )
