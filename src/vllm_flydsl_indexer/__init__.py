@@ -1,11 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM plugin: route gfx950 sparse-indexer decode logits to aiter's FlyDSL kernel.
 
-vLLM calls :func:`register` (entry point ``vllm.general_plugins: flydsl_indexer``) once in every
-process. It evaluates the gates (:mod:`~vllm_flydsl_indexer.gates`), installs the patch
-(:mod:`~vllm_flydsl_indexer.patch`) when all pass, and logs one line saying which arm is active and
-why: DEBUG when the switch is off (then nothing in vLLM changes), INFO when FlyDSL is active or vLLM
-routes to it itself, WARNING when the switch is on and FlyDSL is not. It never raises.
+vLLM calls :func:`register` (entry point ``vllm.general_plugins: flydsl_indexer``) once in every process:
+it evaluates the gates, installs the patch when all pass, and logs one line saying which arm is active and
+why: DEBUG when the switch is off (nothing in vLLM changes), INFO when FlyDSL is active or vLLM routes to it
+itself, WARNING when the switch is on and FlyDSL is not. It never raises.
 """
 
 from __future__ import annotations
@@ -21,12 +20,8 @@ _registered = False
 
 
 def _register_environment_variables() -> None:
-    """Tell vLLM's environment validation about the plugin's variables that are set, and only those.
-
-    vLLM hashes every registered variable into its torch.compile cache key (``compile_factors``). None
-    of the plugin's can change a compiled graph (the indexer op is opaque to Dynamo), so
-    ``compile_factors`` is wrapped to leave them out, as vLLM's own ``ignored_factors``.
-    """
+    """Tell vLLM's environment validation about the plugin's variables that are set, and leave them out
+    of its torch.compile cache key (``compile_factors``): none of them changes a compiled graph."""
     from vllm_flydsl_indexer import envs
 
     vllm_envs = sys.modules.get("vllm.envs")
@@ -43,9 +38,8 @@ def _register_environment_variables() -> None:
     @functools.wraps(factors)
     def compile_factors() -> dict[str, object]:
         hashed = factors()
-        for name in envs.ALL_VARIABLES:
-            if getattr(table.get(name), envs.OWN_GETTER, False):
-                hashed.pop(name, None)
+        for name in (n for n in envs.ALL_VARIABLES if getattr(table.get(n), envs.OWN_GETTER, False)):
+            hashed.pop(name, None)
         return hashed
 
     setattr(compile_factors, envs.OWN_GETTER, True)
@@ -60,16 +54,14 @@ def register() -> None:
     _registered = True
     from vllm_flydsl_indexer.envs import LOGGER_NAME, STOCK_LINE, get_logger
 
-    # A plugin must never kill vLLM: whatever a probe raises (SystemExit, GeneratorExit, a custom class...)
-    # leaves vLLM as it was, with one line; only a real Ctrl-C goes on.
+    # Never kill vLLM: whatever a probe raises (SystemExit too) leaves it as it was; only Ctrl-C goes on.
     try:
         logger = get_logger()
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - vLLM's logger itself is broken: say so, go stock
-        logging.getLogger(LOGGER_NAME).warning(
-            "%s vllm.logger unusable: %s: %s)", STOCK_LINE, type(e).__name__, e
-        )
+        fallback = logging.getLogger(LOGGER_NAME)
+        fallback.warning("%s vllm.logger unusable: %s: %s)", STOCK_LINE, type(e).__name__, e)
         return
     try:
         _register(logger)
@@ -84,8 +76,7 @@ def _register(logger: logging.Logger) -> None:
 
     switch, error = envs.read_flag(envs.SWITCH)
     if not switch:
-        # Off: import nothing more, change nothing in vLLM, and stay quiet (vLLM's loader already lists the
-        # plugins it loads); a malformed switch is a WARNING.
+        # Off: import nothing more, change nothing, stay quiet; a malformed switch is a WARNING.
         level = logging.WARNING if error else logging.DEBUG
         logger.log(level, "%s %s)", envs.STOCK_LINE, envs.off_reason(envs.SWITCH))
         return
@@ -108,20 +99,11 @@ def _register(logger: logging.Logger) -> None:
                 decision.warnings += [error] if error else []
         self_test, error = envs.read_flag(envs.SELFTEST, default=True)
         decision.warnings += [error] if error else []
+        options = dict(table=table, self_test=self_test, tune=tune, gfx=gfx)
         patch.install(
             decision.target_module,
-            lambda original: router.FlyDSLRouter(
-                original,
-                variant,
-                decision.hooks,
-                logger,
-                table=table,
-                self_test=self_test,
-                tune=tune,
-                gfx=gfx,
-            ),
+            lambda fn: router.FlyDSLRouter(fn, variant, decision.hooks, logger, **options),
         )
     line = decision.log_line() + (f" [{'; '.join(decision.warnings)}]" if decision.warnings else "")
-    # The user asked for FlyDSL: not getting it (or getting it with caveats) is a WARNING, so it shows even
-    # where vLLM has not configured logging at INFO.
+    # The user asked for FlyDSL: not getting it, or with caveats, is a WARNING (shown below INFO logging).
     logger.log(logging.INFO if decision.active and not decision.warnings else logging.WARNING, "%s", line)

@@ -10,8 +10,7 @@ from pathlib import Path
 
 # The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
-# Let a vLLM outside the tested window, or whose target is not an audited one, through on its signature
-# and hooks alone.
+# Let a vLLM outside the tested window, or with an unaudited target, through on its signature and hooks.
 ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
 # The per-shape self-test against stock; on unless set to 0/false.
 SELFTEST = "VLLM_FLYDSL_INDEXER_SELFTEST"
@@ -32,8 +31,7 @@ STOCK_CALL_LINE = f"{HEAD} stock path for this call:"
 IN_TREE_LINE = f"{HEAD} vLLM routes the paged MQA logits itself"
 TABLE_IGNORED_LINE = f"{HEAD} tuned table ignored:"
 
-# Set on the getters this package adds to ``vllm.envs.environment_variables``, so a declaration
-# of the switch by vLLM itself (an in-tree route) is told apart from ours.
+# Set on the getters this package adds to ``vllm.envs.environment_variables``; any other is vLLM's (in-tree).
 OWN_GETTER = "_vllm_flydsl_indexer_getter"
 
 
@@ -58,17 +56,14 @@ def read_flag(
     value = parse_bool(raw) if raw and raw.strip() else default
     if value is not None:
         return value, None
-    return (
-        default,
-        f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (any case); treating it as {int(default)}",
-    )
+    why = f"{name}={raw!r} is not one of {'/'.join(ACCEPTED)} (any case); treating it as {int(default)}"
+    return default, why
 
 
 def off_reason(name: str, environ: dict[str, str] | None = None) -> str:
     """Why the boolean ``name`` is off, naming the values that turn it on (the switch gate's words)."""
     raw = ((os.environ if environ is None else environ).get(name) or "").strip()
-    error = read_flag(name, environ)[1]
-    if error:
+    if error := read_flag(name, environ)[1]:
         return error
     return f"{name}={raw} (off; 1/true enables it)" if raw else f"{name} is not set (1/true enables it)"
 
@@ -86,8 +81,7 @@ def declared_by_vllm(table: object, name: str = SWITCH) -> bool:
 
 
 def get_logger() -> logging.Logger:
-    """vLLM's logger for the plugin (its ``info_once``/``warning_once`` included). Raises what importing
-    ``vllm.logger`` raises: ``register()`` catches it."""
+    """vLLM's logger for the plugin; ``register()`` catches what importing ``vllm.logger`` raises."""
     from vllm.logger import init_logger
 
     return init_logger(LOGGER_NAME)

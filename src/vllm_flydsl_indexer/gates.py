@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """May the patch be installed at all? The gates, in order; the first that fails is the reason.
 
-1. the switch; 2. vLLM does not declare the switch itself (in-tree); 3. the vLLM version window; 4. ROCm;
-5. gfx950; 6. aiter enabled and installed; 7. the kernel (:func:`~vllm_flydsl_indexer.kernels.find_kernel`);
-8. the target: its signature, its fingerprint (an audited release's code, or the untested-vLLM opt-in) and
-every vLLM name the router's hooks hold. Gates 4-6 are cheap, so aiter is imported (gate 7) only where vLLM
-itself would. ``register()`` and ``doctor`` both call :func:`evaluate`, so the log line and the doctor
-report never disagree. A gate is ``(name, ok, detail)``, ``ok`` ``None`` where an earlier gate it depends
-on failed. Nothing here raises.
+switch, in-tree (vLLM declares the switch), vllm (the tested window), rocm, gfx950, aiter (enabled and
+installed), kernel (aiter imported only past the cheap gates, as vLLM would), target (signature, fingerprint,
+hooks). ``register()`` and ``doctor`` both call :func:`evaluate`. A gate is ``(name, ok, detail)``, ``ok``
+``None`` where a gate it needs failed. Nothing here raises.
 """
 
 from __future__ import annotations
@@ -24,10 +21,10 @@ from vllm_flydsl_indexer import envs, target
 from vllm_flydsl_indexer.envs import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
 from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 
+Gate = tuple[str, bool | None, str]
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
 SUPPORTED_VLLM = ((0, 32), (0, 34))
-# vLLM loads plugins before any model config exists, so the ACTIVE line cannot tell whether the served
-# model ever calls the patched function (an MXFP4 indexer or a block-outer cache never does): doctor can.
+# The plugin loads before any model config exists: doctor can tell whether the model calls the target.
 MODEL_HINT = "vllm-flydsl-indexer doctor --model MODEL tells whether yours does"
 ALLOWED = f"{envs.ALLOW_UNTESTED_VLLM}=1"
 OPT_IN = f"{ALLOWED} lets its signature and hooks alone decide"
@@ -39,7 +36,7 @@ class Decision:
 
     active: bool
     reason: str
-    gates: list[tuple[str, bool | None, str]] = field(default_factory=list)
+    gates: list[Gate] = field(default_factory=list)
     variant: KernelVariant | None = None
     target_module: ModuleType | None = None
     warnings: list[str] = field(default_factory=list)
@@ -70,7 +67,7 @@ def vllm_version() -> str | None:
         return None
 
 
-def check_version(version: str | None, allow_untested: bool) -> tuple[str, bool, str]:
+def check_version(version: str | None, allow_untested: bool) -> Gate:
     if version is None:
         return "vllm", False, "vLLM is not installed"
     m = re.match(r"^\s*(\d+)\.(\d+)", version)
@@ -96,51 +93,43 @@ def gcn_arch() -> str | None:
         return None
 
 
-def _platform_gates() -> list[tuple[str, bool | None, str]]:
+def _platform_gates() -> list[Gate]:
     """ROCm, gfx950, then vLLM's own cheap aiter questions (``VLLM_ROCM_USE_AITER``, ``find_spec``)."""
     names, found = ("rocm", "gfx950", "aiter"), []
     try:
         from vllm.platforms import current_platform
 
-        rocm = bool(current_platform.is_rocm())
-        platform = type(current_platform).__name__
-        found.append(
-            ("rocm", rocm, "vLLM platform is ROCm" if rocm else f"not ROCm (vLLM platform: {platform})")
-        )
+        rocm, platform = bool(current_platform.is_rocm()), type(current_platform).__name__
+        why = "vLLM platform is ROCm" if rocm else f"not ROCm (vLLM platform: {platform})"
+        found.append(("rocm", rocm, why))
         if rocm:
             from vllm.platforms.rocm import on_gfx950
 
             ok, arch = bool(on_gfx950()), gcn_arch()
-            found.append(
-                ("gfx950", ok, f"vLLM reports gfx950 ({arch})" if ok else f"not gfx950 (vLLM reports {arch})")
-            )
+            why = f"vLLM reports gfx950 ({arch})" if ok else f"not gfx950 (vLLM reports {arch})"
+            found.append(("gfx950", ok, why))
         if found[-1][1]:
             import vllm.envs as vllm_envs
 
+            why = None
             if not vllm_envs.VLLM_ROCM_USE_AITER:
-                found.append(("aiter", False, "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter"))
+                why = "VLLM_ROCM_USE_AITER is not 1, so vLLM does not use aiter"
             elif importlib.util.find_spec("aiter") is None:
-                found.append(
-                    ("aiter", False, "aiter is not installed (importlib.util.find_spec('aiter') is None)")
-                )
-            else:
-                found.append(("aiter", True, "VLLM_ROCM_USE_AITER=1 and aiter is installed"))
+                why = "aiter is not installed (importlib.util.find_spec('aiter') is None)"
+            found.append(("aiter", why is None, why or "VLLM_ROCM_USE_AITER=1 and aiter is installed"))
     except Exception as e:  # noqa: BLE001 - report, never raise into vLLM
         what = ("vLLM platform unavailable", "arch unreadable", "aiter unreadable")[len(found)]
         found.append((names[len(found)], False, f"{what} ({type(e).__name__}: {e})"))
     return found + [(name, None, f"the {found[-1][0]} gate failed") for name in names[len(found) :]]
 
 
-def check_target(
-    allow_untested: bool,
-) -> tuple[tuple[str, bool, str], ModuleType | None, target.StockHooks | None]:
+def check_target(allow_untested: bool) -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
     """The target's signature, fingerprint and hooks: the gate, and the module and hooks where it passes."""
     where = f"{target.TARGET_MODULE}.{target.TARGET_NAME}"
     try:
         module = importlib.import_module(target.TARGET_MODULE)
         fn = target.unpatched(vars(module).get(target.TARGET_NAME))
-        problem = target.signature_problem(fn)
-        if problem is not None:
+        if (problem := target.signature_problem(fn)) is not None:
             return ("target", False, f"{where}: {problem}"), None, None
         try:
             audited = target.AUDITED.get(target.fingerprint_of(fn))
@@ -149,15 +138,10 @@ def check_target(
         if audited is None and not allow_untested:
             releases = ", ".join(release for release, _ in target.AUDITED.values())
             what = problem or f"its code is none of the audited releases' ({releases})"
-            return (
-                ("target", False, f"vLLM {vllm_version()}'s {target.TARGET_NAME}: {what}; {OPT_IN}"),
-                None,
-                None,
-            )
-        form = (
-            audited[1] if audited else "layout" if hasattr(module, "indexer_k_cache_is_shuffled") else "size"
-        )
-        hooks = target.vllm_stock_hooks(module, form)
+            detail = f"vLLM {vllm_version()}'s {target.TARGET_NAME}: {what}; {OPT_IN}"
+            return ("target", False, detail), None, None
+        layout = hasattr(module, "indexer_k_cache_is_shuffled")
+        hooks = target.vllm_stock_hooks(module, audited[1] if audited else "layout" if layout else "size")
     except Exception as e:  # noqa: BLE001
         return ("target", False, f"{where}: {type(e).__name__}: {e}"), None, None
     how = f"is vLLM {audited[0]}'s audited code" if audited else f"is unaudited; {ALLOWED} is set"
@@ -174,18 +158,11 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
 
     def run_gates():
         nonlocal variant, module, hooks
-        yield (
-            ("switch", True, f"{envs.SWITCH}=1")
-            if switch
-            else ("switch", False, envs.off_reason(envs.SWITCH, environ))
-        )
+        yield "switch", switch, f"{envs.SWITCH}=1" if switch else envs.off_reason(envs.SWITCH, environ)
         table = getattr(sys.modules.get("vllm.envs"), "environment_variables", None)
         declared = envs.declared_by_vllm(table)
-        yield (
-            "in-tree",
-            not declared,
-            f"vllm.envs declares {envs.SWITCH}" if declared else "vLLM does not route it itself",
-        )
+        what = f"vllm.envs declares {envs.SWITCH}" if declared else "vLLM does not route it itself"
+        yield "in-tree", not declared, what
         yield check_version(vllm_version(), allow)
         cheap = _platform_gates()
         yield from cheap
@@ -194,14 +171,12 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
             yield "kernel", None, f"aiter not imported (the {stopped[0]} gate failed)"
         else:
             variant, reason = find_kernel()
-            if variant is None:
-                yield "kernel", False, f"aiter has no usable FlyDSL kernel ({reason})"
-            else:
-                yield "kernel", True, f"found {variant.location}: {variant.name} ({variant.description})"
+            found = variant and f"found {variant.location}: {variant.name} ({variant.description})"
+            yield "kernel", variant is not None, found or f"aiter has no usable FlyDSL kernel ({reason})"
         gate, module, hooks = check_target(allow)
         yield gate
 
-    gates: list[tuple[str, bool | None, str]] = []
+    gates: list[Gate] = []
     for gate in run_gates():
         gates.append(gate)
         if gate[1] is False and not full:

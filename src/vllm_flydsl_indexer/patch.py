@@ -2,17 +2,12 @@
 """Install and uninstall the FlyDSL router over vLLM's decode-logits call (vllm-ascend's patch record).
 
 *What:* ``vllm.v1.attention.ops.rocm_aiter_mla_sparse.rocm_fp8_paged_mqa_logits``.
-*Why:* on gfx950 it calls aiter's Gluon kernel; aiter PR #4221 adds a FlyDSL kernel for the same job, and
-AMD's MI355X measurements find each faster at some shapes and batch sizes. vLLM cannot make that per-shape
-choice; the patch lets the measured choice reach it.
-*How:* a wrapper with the same signature replaces the function in the defining module and in every
-imported module that bound the same object (modules imported later, or importing the name at call time,
-get the replaced name). It reads the calling module from its caller's frame (one ``sys._getframe`` per
-call) for the call-site audit, and keeps the original as ``__wrapped__``: ineligible calls go to it
-unchanged. Everything is resolved before anything changes; the swap is plain attribute assignment, and
-:func:`uninstall` restores every binding.
-*Upstream:* aiter PR #4221 (the kernel) and #6140 (the tuned dispatcher). Retire it once vLLM routes to
-FlyDSL itself.
+*Why:* on gfx950 it calls aiter's Gluon kernel; aiter's FlyDSL kernel is faster at some shapes (AMD's
+MI355X measurements), a per-shape choice vLLM cannot make.
+*How:* a same-signature wrapper replaces every imported binding of the function; it passes the caller's
+module (one ``sys._getframe``) for the call-site audit and keeps the original as ``__wrapped__`` for
+ineligible calls. :func:`uninstall` restores every binding.
+*Upstream:* aiter PR #4221 (the kernel), #6140 (the tuned dispatcher). Retire once vLLM routes to FlyDSL.
 """
 
 from __future__ import annotations
@@ -40,14 +35,7 @@ _installed: InstalledPatch | None = None
 
 def _bindings(fn: Callable) -> list[ModuleType]:
     """Every imported module whose global ``TARGET_NAME`` is ``fn``."""
-    found = []
-    for module in list(sys.modules.values()):
-        try:
-            if vars(module).get(TARGET_NAME) is fn:
-                found.append(module)
-        except TypeError:
-            continue
-    return found
+    return [m for m in list(sys.modules.values()) if getattr(m, "__dict__", {}).get(TARGET_NAME) is fn]
 
 
 def wrap(original: Callable, router: FlyDSLRouter) -> Callable:

@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """The self-test: FlyDSL proves itself against stock, once per shape, before a call depends on it.
 
-The router runs :func:`run` at a shape's (and kind of bounds') first launch outside graph capture, not per
-batch: its launches cover SplitKV's range and run FlyDSL itself. :func:`synthetic` builds the problem: four
-sequences (empty, a partial block, whole blocks, several), well under :data:`MAX_BYTES`.
-
-**The agreement rule** (:func:`compare_in_windows`), shared with ``check``, ``bench`` and ``tune``, inside
-the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) / sum(x^2 + y^2) < 1e-3`` over the
-finite entries (exact equality between reference contracts); identical top-k index sets. No vLLM.
+The router runs :func:`run` on :func:`synthetic`'s small problem at a shape's first launch outside graph
+capture. **The agreement rule** (:func:`compare_in_windows`, shared with ``check``, ``bench`` and ``tune``),
+inside the columns vLLM reads: identical ``-inf`` masks; ``1 - 2*sum(xy) / sum(x^2 + y^2) < 1e-3`` over the
+finite entries (exact between reference contracts); identical top-k index sets. No vLLM.
 """
 
 from __future__ import annotations
@@ -25,26 +22,20 @@ def read_window_ends(context_lens: torch.Tensor, rows: int, next_n: int) -> torc
     """Exclusive end of the columns vLLM's consumers read, per logits row: ``bounds.reshape(-1)`` where it
     holds one entry per row, else one entry per sequence repeated ``next_n`` times (V4.1's selection)."""
     flat = context_lens.reshape(-1).to(torch.int64)
-    if flat.numel() != rows:
-        flat = flat.repeat_interleave(next_n)
-    return flat.clamp_min(0)
+    return (flat if flat.numel() == rows else flat.repeat_interleave(next_n)).clamp_min(0)
 
 
 def disagreement(found: dict, tolerance: float) -> str | None:
     """What :func:`compare_in_windows` found outside the rule, or ``None`` (``tolerance`` 0: exact)."""
     close = found["max_rel_diff"] == 0.0 if tolerance == 0 else found["max_rel_diff"] < tolerance
-    if close and found["mask_equal"] and found["topk_equal"] and found["nan_free"]:
-        return None
-    return describe_agreement(found)
+    agree = close and found["mask_equal"] and found["topk_equal"] and found["nan_free"]
+    return None if agree else describe_agreement(found)
 
 
 def describe_agreement(found: dict) -> str:
-    return (
-        f"max rel diff {found['max_rel_diff']:.3e}, -inf mask "
-        f"{'identical' if found['mask_equal'] else 'DIFFERENT'}, top-k "
-        f"{'identical' if found['topk_equal'] else 'DIFFERENT'}"
-        f"{'' if found['nan_free'] else ', NaN or unwritten values read'}"
-    )
+    mask, topk = ("identical" if found[key] else "DIFFERENT" for key in ("mask_equal", "topk_equal"))
+    nan = "" if found["nan_free"] else ", NaN or unwritten values read"
+    return f"max rel diff {found['max_rel_diff']:.3e}, -inf mask {mask}, top-k {topk}{nan}"
 
 
 # Logits entries the comparison handles at once (whole rows, at least one): bounds its temporaries.
@@ -57,27 +48,27 @@ def compare_in_windows(
     """Compare two logits buffers over ``[0, ends[r])`` of every row ``r``, a chunk of rows at a time
     (:data:`CHUNK_ELEMENTS`: bounded memory), one host sync at the end. Rows whose window holds only
     ``-inf`` or nothing count as equal."""
-    rows, width = expected.shape
-    device = expected.device
+    (rows, width), device = expected.shape, expected.device
     ends = ends.to(device).clamp(0, width)
     cols = torch.arange(width, device=device).view(1, -1)
     step = max(1, CHUNK_ELEMENTS // max(width, 1))
     k = min(topk, width)
-    found_nan = torch.zeros((), dtype=torch.bool, device=device)
-    mask_differs = torch.zeros((), dtype=torch.bool, device=device)
-    topk_differs = torch.zeros((), dtype=torch.bool, device=device)
+    found_nan, mask_differs, topk_differs = torch.zeros(3, dtype=torch.bool, device=device)
     max_rel = torch.zeros((), dtype=torch.float64, device=device)
-    neg_inf = float("-inf")
+
+    def top_set(t: torch.Tensor, inside: torch.Tensor, taken: torch.Tensor) -> torch.Tensor:
+        """Each row's top min(topk, window) columns, NaN read as -inf, as a sorted index set."""
+        values, index = torch.where(inside, torch.nan_to_num(t, nan=-torch.inf), -torch.inf).topk(k, dim=1)
+        return torch.where(taken & torch.isfinite(values), index, -1).sort(dim=1).values
+
     for start in range(0, rows, step):
-        e = expected[start : start + step].float()
-        a = actual[start : start + step].float()
+        e, a = expected[start : start + step].float(), actual[start : start + step].float()
         end = ends[start : start + step].view(-1, 1)
         inside = cols < end
         found_nan |= ((torch.isnan(e) | torch.isnan(a)) & inside).any()
         mask_differs |= ((torch.isneginf(e) != torch.isneginf(a)) & inside).any()
         finite = inside & torch.isfinite(e) & torch.isfinite(a)
-        x = torch.where(finite, e, 0.0).double()
-        y = torch.where(finite, a, 0.0).double()
+        x, y = torch.where(finite, e, 0.0).double(), torch.where(finite, a, 0.0).double()
         cross = (x * y).sum(dim=1)
         norms = (x * x + y * y).sum(dim=1)
         del x, y
@@ -86,16 +77,8 @@ def compare_in_windows(
         max_rel = torch.maximum(max_rel, rel.max())
         if k == 0:
             continue
-        # Each row's top min(topk, window) columns, NaN read as -inf, as index sets.
-        er = torch.where(inside, torch.nan_to_num(e, nan=neg_inf), neg_inf)
-        ar = torch.where(inside, torch.nan_to_num(a, nan=neg_inf), neg_inf)
-        ev, ei = er.topk(k, dim=1)
-        av, ai = ar.topk(k, dim=1)
-        del er, ar
         taken = torch.arange(k, device=device).view(1, -1) < end.clamp_max(k)
-        eset = torch.where(taken & torch.isfinite(ev), ei, -1).sort(dim=1).values
-        aset = torch.where(taken & torch.isfinite(av), ai, -1).sort(dim=1).values
-        topk_differs |= (eset != aset).any()
+        topk_differs |= (top_set(e, inside, taken) != top_set(a, inside, taken)).any()
     return {
         "rows": rows,
         "read_columns": int(ends.sum()),
@@ -121,8 +104,7 @@ def synthetic_lengths(block_size: int, next_n: int) -> list[int]:
 
 def width(block_size: int, next_n: int) -> tuple[int, int]:
     """``(max_model_len, block table width)``: one spare block past the longest sequence."""
-    longest = max(synthetic_lengths(block_size, next_n))
-    blocks = -(-longest // block_size) + 1
+    blocks = -(-max(synthetic_lengths(block_size, next_n)) // block_size) + 1
     return blocks * block_size, blocks
 
 
@@ -155,14 +137,10 @@ def synthetic(
     block_tables = torch.randperm(pool, generator=gen).to(torch.int32).view(batch, blocks)
     q_fp8 = torch.randn(batch, next_n, heads, head_dim, generator=gen).mul(2).to(torch.float8_e4m3fn)
     weights = torch.randn(batch * next_n, heads, generator=gen).mul(heads**-0.5)
-    if per_row_bounds:
-        j = torch.arange(next_n).view(1, -1)
-        context_lens = (lengths.view(-1, 1) - next_n + j + 1).clamp_min(0).to(torch.int32)
-    else:
-        context_lens = lengths.to(torch.int32)
+    per_row = (lengths.view(-1, 1) - next_n + torch.arange(next_n).view(1, -1) + 1).clamp_min(0)
+    context_lens = (per_row if per_row_bounds else lengths).to(torch.int32)
     tensors = (q_fp8, kv_cache, weights, context_lens, block_tables)
-    q_fp8, kv_cache, weights, context_lens, block_tables = (t.to(device) for t in tensors)
-    return q_fp8, kv_cache, weights, context_lens, block_tables, None, max_model_len
+    return (*(t.to(device) for t in tensors), None, max_model_len)
 
 
 def run(
@@ -172,14 +150,9 @@ def run(
     launches: dict[str, Callable[[tuple, torch.Tensor], object]],
     live: tuple[int, int] = (0, 0),
 ) -> str | None:
-    """Stock, then each FlyDSL launch, on the synthetic ``args``: ``None`` when every launch agrees, else
-    what differed. Raises what an arm raises.
-
-    ``stock(args)`` is vLLM's original, which writes vLLM's workspace (``stock_buffer(rows,
-    max_model_len)``, poisoned first); its answer is copied out and the workspace bytes put back, so the
-    live call's output finds them as they were. Each of ``launches`` (``{name: launch(args, out)}``)
-    writes its own NaN-poisoned buffer and must agree with stock and write exactly the columns read.
-    """
+    """Stock, then each FlyDSL launch (``{name: launch(args, out)}``), on the synthetic ``args``: ``None``
+    when every launch agrees and writes exactly the columns read, else what differed; raises what an arm
+    raises. ``stock`` writes vLLM's workspace (``stock_buffer``): its bytes are put back for the live call."""
     q_fp8, _, _, context_lens, _, _, max_model_len = args
     batch, next_n = q_fp8.shape[:2]
     rows = batch * next_n
@@ -196,10 +169,8 @@ def run(
         actual.fill_(float("nan"))
         launch(args, actual)
         result = compare_in_windows(expected, actual, ends)
-        problem = disagreement(result, REAL_KERNEL_TOLERANCE)
-        if problem is not None:
+        if problem := disagreement(result, REAL_KERNEL_TOLERANCE):
             return f"FlyDSL {name}: {problem}"
-        written = int((~torch.isnan(actual)).sum())
-        if written != result["read_columns"]:
+        if (written := int((~torch.isnan(actual)).sum())) != result["read_columns"]:
             return f"FlyDSL {name} wrote {written} columns, the consumers read {result['read_columns']}"
     return None

@@ -1,13 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """What vLLM is: the patched function, the code of it we audited, its objects resolved once, its callers.
 
-The router takes only the calls the original sends to aiter's gfx950 Gluon kernel and launches FlyDSL with
-what it passes Gluon, so the original must be code we audited (``docs/vllm-audit.md``): :func:`fingerprint`
-hashes its syntax tree (comments, docstring and formatting left out) and :data:`AUDITED` holds one per
-release; anything added (an early return, a FlyDSL route of vLLM's own) is another fingerprint. The hooks
-(:func:`vllm_stock_hooks`) resolve every vLLM name the router's stock side uses at install. The callers
-(:data:`MULTI_ROW`): ``next_n > 1`` is taken only from a call site audited to pass vLLM's native ``(B,
-next_n)`` bounds (``tools/audit.py`` holds the whole record). No vLLM at import.
+The router launches FlyDSL with what the original passes Gluon, so the original must be audited code
+(``docs/vllm-audit.md``): :func:`fingerprint` hashes its syntax tree, :data:`AUDITED` holds one per release.
+:func:`vllm_stock_hooks` resolves every vLLM name the router uses at install; :data:`MULTI_ROW` names the
+call sites audited to pass vLLM's native ``(B, next_n)`` bounds. No vLLM at import.
 """
 
 from __future__ import annotations
@@ -110,8 +107,7 @@ def _canonical(node: object) -> str:
 def fingerprint(filename: str, first_line: int, name: str = TARGET_NAME) -> str:
     """SHA-256 of the ``def name`` at ``first_line`` of ``filename``, docstring left out. Read once per
     process; raises ``OSError``, ``SyntaxError``, ``UnicodeDecodeError`` or ``LookupError``."""
-    tree = ast.parse(read_capped(filename))
-    for node in tree.body:
+    for node in ast.parse(read_capped(filename)).body:
         lines = (node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ())))
         if isinstance(node, ast.FunctionDef) and node.name == name and first_line in lines:
             body = node.body
@@ -123,44 +119,33 @@ def fingerprint(filename: str, first_line: int, name: str = TARGET_NAME) -> str:
 
 def fingerprint_of(fn: Callable) -> str:
     """:func:`fingerprint` of the function object ``fn``."""
-    code = fn.__code__
-    return fingerprint(code.co_filename, code.co_firstlineno, fn.__name__)
+    return fingerprint(fn.__code__.co_filename, fn.__code__.co_firstlineno, fn.__name__)
 
 
 @dataclass(frozen=True)
 class StockHooks:
-    """What the router asks of vLLM, as the original asks it, injected so the router imports no vLLM.
+    """What the router asks of vLLM, as the original asks it, injected so the router imports no vLLM."""
 
-    ``gluon_objection(compress_ratio, block_size)``: why the original would not call aiter's gfx950
-    Gluon kernel here, or ``None``. ``output_buffer(rows, max_model_len)``: the logits buffer, taken as
-    the original takes it. ``per_sequence_lens(context_lens)``: vLLM's reduction to one length per
-    sequence. ``dcp_world_size()``. ``preshuffle(block_size)``: the ``Preshuffle`` the original passes.
-    ``tp_group()``: vLLM's tensor-parallel CPU group (``None`` alone) and this rank in it.
-    """
-
-    gluon_objection: Callable[[int, int], str | None]
-    output_buffer: Callable[[int, int], object]
-    per_sequence_lens: Callable[[object], object]
+    gluon_objection: Callable[[int, int], str | None]  # why the original would not call Gluon, or None
+    output_buffer: Callable[[int, int], object]  # (rows, max_model_len): the logits buffer, as it takes it
+    per_sequence_lens: Callable[[object], object]  # vLLM's reduction to one length per sequence
     dcp_world_size: Callable[[], int]
-    preshuffle: Callable[[int], bool]
-    tp_group: Callable[[], tuple[object, int]] = lambda: (None, 0)
+    preshuffle: Callable[[int], bool]  # (block_size): the ``Preshuffle`` the original passes
+    tp_group: Callable[[], tuple[object, int]] = lambda: (None, 0)  # TP CPU group (None alone), rank
 
 
 def _resolve(owner: object, name: str, flag: bool = False):
     """``owner.name``: a callable, or a bool where ``flag``; ``LookupError`` naming it otherwise."""
     value = getattr(owner, name, None)
     if not (isinstance(value, bool) if flag else callable(value)):
-        where = getattr(owner, "__name__", type(owner).__name__)
-        raise LookupError(
-            f"vLLM's {where} has no {'flag' if flag else 'function'} {name} (the router uses it)"
-        )
+        where, what = getattr(owner, "__name__", type(owner).__name__), "flag" if flag else "function"
+        raise LookupError(f"vLLM's {where} has no {what} {name} (the router uses it)")
     return value
 
 
 def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) -> StockHooks:
-    """Hooks that answer as ``target.rocm_fp8_paged_mqa_logits`` (whose ``Preshuffle`` is ``form``, an
-    :data:`AUDITED` form), every vLLM name resolved now (``aiter_ops``: vLLM's ``rocm_aiter_ops``, or a
-    stand-in). Raises ``LookupError`` naming what is missing."""
+    """Hooks that answer as the target (its ``Preshuffle`` by ``form``, an :data:`AUDITED` form), every
+    vLLM name resolved now (``aiter_ops``: a stand-in for ``rocm_aiter_ops``); ``LookupError`` if missing."""
     import torch
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.distributed import parallel_state
@@ -169,17 +154,13 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
     on_gfx950 = _resolve(target, "_ON_GFX950", flag=True)
     on_gfx9 = on_gfx950 or _resolve(target, "_ON_GFX942", flag=True)
     c4a = _resolve(target, "_indexer_k_is_c4a_block_flat")
-    aiter_on, rdna_aiter_on = (
-        _resolve(rocm_aiter_ops, "is_enabled"),
-        _resolve(rocm_aiter_ops, "is_rdna_aiter_enabled"),
-    )
+    aiter_on = _resolve(rocm_aiter_ops, "is_enabled")
+    rdna_aiter_on = _resolve(rocm_aiter_ops, "is_rdna_aiter_enabled")
     gluon_module = _resolve(target, "paged_mqa_logits_module")
     workspace = _resolve(target, "current_workspace_manager")
     dcp = _resolve(parallel_state, "get_dcp_world_size_and_rank")
-    tp, tp_ready = (
-        _resolve(parallel_state, "get_tp_group"),
-        _resolve(parallel_state, "model_parallel_is_initialized"),
-    )
+    tp = _resolve(parallel_state, "get_tp_group")
+    tp_ready = _resolve(parallel_state, "model_parallel_is_initialized")
 
     def tp_group() -> tuple[object, int]:
         group = tp() if tp_ready() else None  # not initialised: a process alone
@@ -201,19 +182,10 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
         return workspace().get_simultaneous(((rows, max_model_len), torch.float32))[0]
 
     if form == "layout":
-        shuffled, rdna = (
-            _resolve(target, "indexer_k_cache_is_shuffled"),
-            _resolve(target, "_ON_RDNA", flag=True),
-        )
-
-        def preshuffle(block_size: int) -> bool:
-            return bool(shuffled(block_size)) and not rdna
-
+        shuffled, rdna = _resolve(target, "indexer_k_cache_is_shuffled"), _resolve(target, "_ON_RDNA", True)
+        preshuffle = lambda block_size: bool(shuffled(block_size)) and not rdna  # noqa: E731
     else:
-
-        def preshuffle(block_size: int) -> bool:
-            return block_size > 1
-
+        preshuffle = lambda block_size: block_size > 1  # noqa: E731
     lens = _resolve(target, "_per_sequence_context_lens")
     return StockHooks(gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle, tp_group)
 
@@ -231,9 +203,7 @@ MULTI_ROW: dict[str, str | None] = {
 def multi_row_objection(caller: str | None) -> str | None:
     """Why FlyDSL may not take a ``next_n > 1`` call from ``caller``, or ``None``."""
     if caller not in MULTI_ROW:
-        return (
-            f"next_n > 1 from a caller this package has not audited ({caller or 'unknown'}): "
-            "only next_n == 1 is always safe"
-        )
+        unaudited = f"a caller this package has not audited ({caller or 'unknown'})"
+        return f"next_n > 1 from {unaudited}: only next_n == 1 is always safe"
     why = MULTI_ROW[caller]
     return None if why is None else f"next_n > 1 from {caller}: its bounds are {why}"
