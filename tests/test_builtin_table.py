@@ -20,7 +20,17 @@ from pathlib import Path
 
 import pytest
 
-from test_tuning import batch_problem, row, run_batch, run_problem, table_text
+from test_tuning import (
+    NOT_MEASURED,
+    UNCOVERED,
+    batch_problem,
+    last_reason,
+    row,
+    run_batch,
+    run_problem,
+    table_text,
+    uncovered_label,
+)
 from vllm_flydsl_indexer import envs, kernels, patch, tuning
 from vllm_flydsl_indexer.kernels import explicit_split_kv
 from vllm_flydsl_indexer.tools import tuned as validator
@@ -93,14 +103,20 @@ def test_the_builtin_table_is_in_the_wheel(tmp_path):
 
 
 @pytest.fixture
-def gfx950_at(target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log):
-    """Register on the simulated gfx950 GPU of ``cus`` CUs with aiter's ``flydsl`` kernel found."""
+def gfx950_at(target, workspace, aiter_as, monkeypatch, fresh_register, plugin_log, tmp_path):
+    """Register on the simulated gfx950 GPU of ``cus`` CUs with aiter's ``flydsl`` kernel found. ``tune``:
+    ``VLLM_FLYDSL_INDEXER_TUNE`` (``None``: unset, the default, on); off unless asked, so that shapes no table
+    covers stay stock deterministically (tests/test_measure.py times them). This node's cache: the test's."""
 
-    def install(flydsl: str = "gfx950", cus: int = 256, tuned_csv: str | None = None):
+    def install(flydsl: str = "gfx950", cus: int = 256, tuned_csv: str | None = None, tune: str | None = "0"):
         aiter_as(flydsl=flydsl)
         monkeypatch.setattr(kernels, "_cu_count", lambda device_type, index: cus)
-        monkeypatch.setattr(tuning, "_aiter_table", lambda: None)  # the double ships no table
         monkeypatch.setenv(envs.SWITCH, "1")
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+        if tune is None:
+            monkeypatch.delenv(envs.TUNE, raising=False)
+        else:
+            monkeypatch.setenv(envs.TUNE, tune)
         if tuned_csv is None:
             monkeypatch.delenv(envs.TUNED_CSV, raising=False)
         else:
@@ -131,7 +147,7 @@ def split_kv(batch: int, max_model_len: int, wg_per_cu: int) -> int:
 
 
 def test_builtin_table_routes_each_batch_as_amd_measured(target, gfx950_at, aiter_calls, plugin_log):
-    installed = gfx950_at()
+    installed = gfx950_at(tune=None)  # the measurement on, as by default: a covered shape is never timed
     assert installed.router.table.origin == "built-in"
     active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
     assert len(active) == 1 and "per shape: built-in table (aiter 39029932" in active[0], active
@@ -139,11 +155,11 @@ def test_builtin_table_routes_each_batch_as_amd_measured(target, gfx950_at, aite
     # Batch 1, next_n 1: AMD measured Gluon faster (3.80 us against 4.68 us): stock, naming the table.
     assert run_batch(target, installed, aiter_calls, 1) == ["gluon"]
     reasons = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
-    assert any(
-        "built-in table (aiter 39029932, AMD's MI355X measurements) on gfx950 with 256 CUs measured stock "
-        "(Gluon) faster at some batch sizes of heads=32 head_dim=128 KVBlockSize=64 next_n=1" in m
-        for m in reasons
-    ), reasons
+    where = "built-in table (aiter 39029932, AMD's MI355X measurements) on gfx950 with 256 CUs"
+    assert reasons == [
+        f"vllm-flydsl-indexer: stock path for this call: {where} measured stock (Gluon) faster at batch 1 "
+        "of heads=32 head_dim=128 KVBlockSize=64 next_n=1"
+    ], reasons
 
     # Batch 64, next_n 1: FlyDSL with wg_per_cu 3; batch 100 follows the batch-64 row.
     for batch in (64, 100):
@@ -154,6 +170,13 @@ def test_builtin_table_routes_each_batch_as_amd_measured(target, gfx950_at, aite
 
     # Batch 16, next_n 8: Gluon measured faster.
     assert run_batch(target, installed, aiter_calls, 16, next_n=8) == ["gluon"]
+    assert last_reason(installed) == (
+        f"{where} measured stock (Gluon) faster at batch 16 of heads=32 head_dim=128 KVBlockSize=64 next_n=8"
+    )
+    # Every call was covered: the table decided each, this node measured none and cached nothing.
+    assert not installed.router.verdicts and installed.router.spent == 0
+    taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
+    assert len(taken) == 2 and all(f"; {where}; " in m for m in taken), taken  # next_n 1 and 8
 
 
 def launched(target, installed, calls, batch, next_n, wg_per_cu, other) -> bool:
@@ -168,13 +191,17 @@ def launched(target, installed, calls, batch, next_n, wg_per_cu, other) -> bool:
 
 
 def test_other_kernels_get_no_builtin_table(target, gfx950_at, aiter_calls, plugin_log):
-    """Measured on the gfx950 kernel only: elsewhere FlyDSL wherever eligible, and the log says why."""
+    """Measured on the gfx950 kernel only: elsewhere this node's measurement decides, else stock (never
+    FlyDSL blind), and the log says so. With the measurement off, batch 1 (Gluon in the built-in table too)
+    and batch 64 (FlyDSL there) both stay stock: the built-in rows decide nothing for this kernel."""
     installed = gfx950_at(flydsl="general")
-    assert installed.router.table is None
+    assert installed.router.table is None and installed.router.tune is False
     active = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
-    assert len(active) == 1 and "no measurement for the general FlyDSL kernel" in active[0], active
-    assert "bench --tune" in active[0]
-    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl"]
+    assert len(active) == 1 and f"per shape: {UNCOVERED}" in active[0], active
+    assert "(vllm-flydsl-indexer tune)" in active[0]
+    for batch in (1, 64):
+        assert run_batch(target, installed, aiter_calls, batch) == ["gluon"], batch
+        assert last_reason(installed) == NOT_MEASURED, batch
 
 
 @pytest.mark.parametrize("value", ["None", " none ", "OFF", "0", "false", "\tFalse\n"])
@@ -205,8 +232,11 @@ def test_an_explicit_table_replaces_the_builtin_one_never_merged(target, gfx950_
     installed = gfx950_at(tuned_csv=str(path))
     assert installed.router.table.origin == "env" and installed.router.table.name == str(path)
     assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
-    # Batch 4, next_n 2: built-in says Gluon; mine does not cover it, so the switch's meaning: FlyDSL.
-    assert run_batch(target, installed, aiter_calls, 4, next_n=2) == ["flydsl-gfx950"]
+    # Next_n 2: mine does not cover it, so this node's measurement decides (off here: stock, for that
+    # reason), never the built-in table's rows: Gluon at batch 4, FlyDSL at batch 256.
+    for batch in (4, 256):
+        assert run_batch(target, installed, aiter_calls, batch, next_n=2) == ["gluon"], batch
+        assert last_reason(installed) == NOT_MEASURED, batch
 
 
 @pytest.mark.parametrize("bad", ["bad row", "fullwidth batch", "absent", "no rows for gfx950"])
@@ -234,66 +264,38 @@ def test_a_bad_explicit_table_falls_back_to_the_next_source_with_one_warning(
     assert f"per shape: {tuning.BUILTIN_LABEL}" in active[0], active
 
 
-def test_a_bad_explicit_table_falls_to_aiters_table_before_the_builtin(monkeypatch, tmp_path, plugin_log):
-    logger = logging.getLogger(envs.LOGGER_NAME)
-    shipped = tmp_path / "shipped.csv"
-    shipped.write_text(table_text(row(cu=256, batch=8, backend="gluon")))
-    monkeypatch.setattr(tuning, "_aiter_table", lambda: str(shipped))
-    monkeypatch.setenv(envs.TUNED_CSV, str(tmp_path / "absent.csv"))
-    table, label = tuning.load("gfx950", "gfx950", logger)
-    assert table.origin == "aiter" and table.name == str(shipped) and table.choice(256, 9, 1, 32, 128, 64)
-    assert label == f"tuned table {shipped} (shipped with aiter)"
-    (warning,) = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    assert "absent.csv: FileNotFoundError" in warning and warning.endswith("; trying the next source")
-    # Every source unusable: one WARNING each, and the last word is the switch's meaning.
-    shipped.write_text("not,a,table\n")
-    plugin_log.clear()
-    table, label = tuning.load("general", "gfx950", logger)
-    assert table is None
-    warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
-    assert (
-        len(warnings) == 2 and "absent.csv" in warnings[0] and f"{shipped}: missing column(s)" in warnings[1]
-    )
-    assert label == (
-        "no measurement for the general FlyDSL kernel: FlyDSL wherever eligible "
-        "(vllm-flydsl-indexer bench --tune measures this node)"
-    )
-
-
-def test_another_cu_count_keeps_flydsl_wherever_eligible_with_one_info(
-    target, gfx950_at, aiter_calls, plugin_log
-):
+def test_another_cu_count_drops_the_builtin_table_with_one_info(target, gfx950_at, aiter_calls, plugin_log):
+    """The built-in rows are for 256 CUs: on 304 they cover nothing, so this node's measurement decides
+    (off here: stock), and the table is dropped with one INFO, not a WARNING."""
     installed = gfx950_at(cus=304)
-    assert run_batch(target, installed, aiter_calls, 1) == ["flydsl-gfx950"]
-    assert run_batch(target, installed, aiter_calls, 2) == ["flydsl-gfx950"]
+    for batch in (1, 64):  # the built-in table: Gluon at batch 1, FlyDSL at 64
+        assert run_batch(target, installed, aiter_calls, batch) == ["gluon"], batch
+        assert last_reason(installed) == NOT_MEASURED, batch
+    assert installed.router.table is None
     dropped = [r for r in plugin_log if "none for this GPU's 304 CUs" in r.getMessage()]
     assert len(dropped) == 1 and dropped[0].levelno == logging.INFO
     assert "built-in table" in dropped[0].getMessage()
 
 
-def test_precedence_variable_then_aiters_table_then_builtin_then_none(monkeypatch, tmp_path):
-    shipped = str(tmp_path / "aiter_shipped.csv")
-    monkeypatch.setattr(tuning, "_aiter_table", lambda: shipped)
+def test_precedence_variable_then_builtin_then_none():
+    """No table aiter ships is read any more (issue 44): the variable's, then the built-in one for its
+    kernel, then none (this node's measurement, else stock); an off value leaves no table at all."""
 
     def origins(env, variant):
         return [(path, origin) for path, origin, _ in tuning.sources(env, variant)]
 
     builtin = (tuning.BUILTIN_PATH, "built-in")
-    assert origins("/mine.csv", "gfx950") == [
-        ("/mine.csv", "env"),
-        (shipped, "aiter"),
-        builtin,
-        (None, "none"),
-    ]
-    assert origins(" /mine.csv\t", "general") == [("/mine.csv", "env"), (shipped, "aiter"), (None, "none")]
+    assert origins("/mine.csv", "gfx950") == [("/mine.csv", "env"), builtin, (None, "none")]
+    assert origins(" /mine.csv\t", "general") == [("/mine.csv", "env"), (None, "none")]
     for off in tuning.OFF_VALUES:
         assert origins(f" {off.upper()} ", "gfx950") == [(None, "off")]
-    assert origins(None, "gfx950") == [(shipped, "aiter"), builtin, (None, "none")]
-    assert origins(None, "general") == [(shipped, "aiter"), (None, "none")]
-    monkeypatch.setattr(tuning, "_aiter_table", lambda: None)
     assert origins(None, "gfx950") == origins("", "gfx950") == [builtin, (None, "none")]
     for variant in ("general", "dispatcher", None):
         assert origins(None, variant) == [(None, "none")]
+        (label,) = [label for _, origin, label in tuning.sources(None, variant) if origin == "none"]
+        assert uncovered_label(label), label
+    (_, _, off), *_ = tuning.sources("off", "gfx950")
+    assert off == f"no tuned table ({envs.TUNED_CSV}=off): FlyDSL wherever eligible"
 
 
 def test_a_gfx_cell_with_target_features_matches_its_arch():
@@ -344,7 +346,7 @@ def test_doctor_reports_the_builtin_table_and_its_arm_for_all_72_rows():
 @pytest.mark.parametrize(
     ("flydsl", "variable", "origin", "words"),
     [
-        ("general", None, "none", "no measurement for the general FlyDSL kernel"),
+        ("general", None, "none", UNCOVERED),
         ("gfx950", "none", "off", f"({envs.TUNED_CSV}=none)"),
     ],
 )
@@ -352,7 +354,6 @@ def test_doctor_names_why_no_table_is_in_use(aiter_as, monkeypatch, flydsl, vari
     from vllm_flydsl_indexer.tools import doctor
 
     aiter_as(flydsl=flydsl)
-    monkeypatch.setattr(tuning, "_aiter_table", lambda: None)
     environ = {
         envs.SWITCH: "1",
         "VLLM_ROCM_USE_AITER": "1",
@@ -364,7 +365,7 @@ def test_doctor_names_why_no_table_is_in_use(aiter_as, monkeypatch, flydsl, vari
     assert table["origin"] == origin and table["source"] is None and words in table["note"]
     assert words in data["log_line"] and words in doctor.render(data)
     if origin == "none":
-        assert "bench --tune" in table["note"]
+        assert uncovered_label(table["note"]) and "(vllm-flydsl-indexer tune)" in table["note"]
 
 
 @pytest.mark.slow

@@ -80,6 +80,17 @@ def warnings_of(records) -> list[str]:
     return [r.getMessage() for r in records if r.levelno == logging.WARNING]
 
 
+# What decides the shapes no table covers (issue 44): this node's measurement, else stock.
+UNCOVERED = "shapes no table covers: this node's measurement"
+# The reason such a shape stays stock with the measurement off (VLLM_FLYDSL_INDEXER_TUNE=0).
+NOT_MEASURED = f"not yet measured on this GPU: stock ({envs.TUNE}=0)"
+
+
+def uncovered_label(label: str) -> bool:
+    """The ACTIVE line's words where no table decides: measured on this node, else stock."""
+    return label.startswith(UNCOVERED) and label.endswith("else stock")
+
+
 def test_lookup_takes_the_largest_tuned_batch_at_or_below_the_call():
     t = parse(row(batch=4, backend="gluon"), row(batch=16), row(batch=64, backend="gluon"), row(gfx="gfx942"))
     assert usable(t) == 3
@@ -162,7 +173,8 @@ def test_rows_above_next_n_2_never_decide_vllms_calls(target, tuned, aiter_calls
     assert run_batch(target, installed, aiter_calls, 3, next_n=2) == ["flydsl"]  # native MTP
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
     # One line per shape (next_n 1, next_n 2), naming the table that decides per batch.
-    assert len(taken) == 2 and all(f"per shape: {installed.router.table.name}" in m for m in taken), taken
+    decided_by = f"; {installed.router.table.name} on gfx950 with 1 CUs; "
+    assert len(taken) == 2 and all(decided_by in m for m in taken), taken
     # A native (B, 3) table, which vLLM's ROCm indexer never builds, would use the next_n 3 row.
     assert run_batch(target, installed, aiter_calls, 3, next_n=3) == ["gluon"]
     assert not [r for r in plugin_log if r.levelno >= logging.WARNING]
@@ -326,7 +338,7 @@ def test_load_warns_once_per_file_with_the_count_of_skipped_rows(tmp_path, monke
 
 def test_a_file_with_no_usable_row_falls_to_the_next_source(tmp_path, monkeypatch, plugin_log):
     """Each unusable source is one WARNING, and the next source decides: the built-in table where the
-    kernel is the one it was measured on, else no table (FlyDSL wherever eligible)."""
+    kernel is the one it was measured on, else no table (this node's measurement, else stock)."""
     bad = tmp_path / "bad.csv"
     bad.write_text(table_text(row(backend="nope"), row(gfx="gfx942")))
     for path in (bad, tmp_path / "absent.csv", tmp_path):
@@ -340,7 +352,7 @@ def test_a_file_with_no_usable_row_falls_to_the_next_source(tmp_path, monkeypatc
         ), warning
         plugin_log.clear()
         table, label = tuning.load("general", "gfx950", LOGGER)
-        assert table is None and label.startswith("no measurement for the general FlyDSL kernel: ")
+        assert table is None and uncovered_label(label), label
         assert len(warnings_of(plugin_log)) == 1
     assert "2 rows, 1 unusable, none usable for gfx950" in tuning.read(str(bad), "gfx950")
     assert "FileNotFoundError" in tuning.read(str(tmp_path / "absent.csv"), "gfx950")
@@ -357,13 +369,17 @@ def test_the_off_values_mean_no_table_and_no_warning(monkeypatch, plugin_log):
 
 @pytest.fixture
 def tuned(target, workspace, monkeypatch, fresh_register, plugin_log, tmp_path):
-    """Register with a tuned table of the given rows; returns the installed patch."""
+    """Register with a tuned table of the given rows; returns the installed patch. The measurement is off
+    (shapes the table does not cover stay stock, deterministically; tests/test_measure.py times them) and
+    this node's cache is the test's own, empty."""
 
     def install(*rows: str):
         path = tmp_path / "tuned.csv"
         path.write_text(table_text(*rows))
         monkeypatch.setenv(envs.SWITCH, "1")
         monkeypatch.setenv(envs.TUNED_CSV, str(path))
+        monkeypatch.setenv(envs.TUNE, "0")
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
         fresh_register()
         installed = patch.installed()
         assert installed is not None, [r.getMessage() for r in plugin_log]
@@ -419,31 +435,47 @@ def run_problem(target, installed, calls, p) -> list[str]:
     return [a for a, _ in calls]
 
 
+def last_reason(installed) -> str | None:
+    """Why the latest new call signature stays stock (``None``: it took FlyDSL)."""
+    return list(installed.router.routes.values())[-1].reason
+
+
 def test_the_table_decides_per_batch_bucket(target, tuned, aiter_calls, plugin_log):
     # This CPU "device" reports 1 CU, so the simulated GPU is (gfx950, 1 CU).
     installed = tuned(row(batch=4, backend="gluon"), row(batch=8), row(batch=4, next_n=2))
-    expected = {2: "flydsl", 3: "flydsl", 4: "gluon", 7: "gluon", 8: "flydsl", 12: "flydsl"}
-    for batch, arm in expected.items():
-        assert run_batch(target, installed, aiter_calls, batch) == [arm], batch
-    assert run_batch(target, installed, aiter_calls, 2, next_n=2) == ["flydsl"]  # not covered (4 > 2)
-    assert run_batch(target, installed, aiter_calls, 5, next_n=2) == ["flydsl"]  # tuned FlyDSL
-    # Another shape (64 heads) is not covered: the switch's meaning, FlyDSL.
-    assert run_batch(target, installed, aiter_calls, 5, heads=64) == ["flydsl"]
-    messages = [r.getMessage() for r in plugin_log]
     name = installed.router.table.name
+    where = f"{name} on gfx950 with 1 CUs"
+    shape = "heads=32 head_dim=128 KVBlockSize=64 next_n=1"
+    gluon_at_4 = f"{where} measured stock (Gluon) faster at batch 4 of {shape}"
+    # Below every tuned batch (2, 3): not covered, so this node's measurement, here off: stock.
+    expected = {2: NOT_MEASURED, 3: NOT_MEASURED, 4: gluon_at_4, 7: gluon_at_4, 8: None, 12: None}
+    for batch, reason in expected.items():
+        assert run_batch(target, installed, aiter_calls, batch) == ["gluon" if reason else "flydsl"], batch
+        assert last_reason(installed) == reason, batch
+    assert run_batch(target, installed, aiter_calls, 2, next_n=2) == ["gluon"]  # not covered (4 > 2)
+    assert last_reason(installed) == NOT_MEASURED
+    assert run_batch(target, installed, aiter_calls, 5, next_n=2) == ["flydsl"]  # tuned FlyDSL
+    # Another shape (64 heads) is not covered either: not measured, stock.
+    assert run_batch(target, installed, aiter_calls, 5, heads=64) == ["gluon"]
+    assert last_reason(installed) == NOT_MEASURED
+    messages = [r.getMessage() for r in plugin_log]
     stock = [m for m in messages if "stock path for this call" in m]
     assert stock == [
-        f"vllm-flydsl-indexer: stock path for this call: {name} on gfx950 with 1 CUs measured stock (Gluon) "
-        "faster at some batch sizes of heads=32 head_dim=128 KVBlockSize=64 next_n=1"
-    ], stock  # one line per shape, not per batch
+        f"vllm-flydsl-indexer: stock path for this call: {NOT_MEASURED}",
+        f"vllm-flydsl-indexer: stock path for this call: {gluon_at_4}",
+    ], stock  # one line per reason, not per batch
     taken = [m for m in messages if "FlyDSL taken for" in m]
-    assert len(taken) == 3 and all(f"per shape: {name}" in m for m in taken), taken
+    assert len(taken) == 2 and all(f"; {where}; " in m for m in taken), taken  # next_n 1 and 2
+    assert not installed.router.verdicts  # nothing was measured
 
 
 def test_a_table_for_another_cu_count_warns_once_and_is_ignored(target, tuned, aiter_calls, plugin_log):
-    installed = tuned(row(cu=256, batch=1, backend="gluon"))
+    installed = tuned(row(cu=256, batch=1, backend="flydsl"))
     for batch in (2, 3):
-        assert run_batch(target, installed, aiter_calls, batch) == ["flydsl"]
+        # Its FlyDSL row is not this GPU's: no table covers the call, and unmeasured it stays stock.
+        assert run_batch(target, installed, aiter_calls, batch) == ["gluon"]
+        assert last_reason(installed) == NOT_MEASURED
+    assert installed.router.table is None
     warnings = [r.getMessage() for r in plugin_log if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "none for this GPU's 1 CUs" in warnings[0]
 
@@ -456,10 +488,16 @@ def test_a_bad_row_is_skipped_and_the_rest_of_the_table_decides(target, tuned, a
     assert warning.startswith("vllm-flydsl-indexer: 2 row(s) of ") and "vllm-flydsl-indexer doctor" in warning
 
 
-def test_a_table_with_no_usable_row_leaves_the_switch_meaning(target, tuned, aiter_calls, plugin_log):
-    installed = tuned("gfx950,1,2", row(batch=1, backend="gluon").replace("gfx950", "gfx950\u200b"))
+def test_a_table_with_no_usable_row_leaves_the_shapes_to_this_nodes_measurement(
+    target, tuned, aiter_calls, plugin_log
+):
+    installed = tuned("gfx950,1,2", row(batch=1, backend="flydsl").replace("gfx950", "gfx950\u200b"))
     assert installed.router.table is None
-    assert run_batch(target, installed, aiter_calls, 3) == ["flydsl"]
+    # Its unusable FlyDSL row decides nothing: the call is not covered, and unmeasured it stays stock.
+    assert run_batch(target, installed, aiter_calls, 3) == ["gluon"]
+    assert last_reason(installed) == NOT_MEASURED
+    (active,) = [r.getMessage() for r in plugin_log if "ACTIVE" in r.getMessage()]
+    assert f"per shape: {UNCOVERED}" in active, active
     (warning,) = warnings_of(plugin_log)
     assert "tuned table ignored" in warning and "2 rows, 2 unusable, none usable for gfx950" in warning
 
@@ -657,7 +695,8 @@ def test_a_flydsl_rows_wg_per_cu_is_the_launchs_split_kv(target, tuned, aiter_as
     # The same rule, written out: the row's wg_per_cu, never the default, decides.
     assert kernels.explicit_split_kv(1, 1, 300, 64, 2) == 2 != kernels.explicit_split_kv(1, 1, 300, 64)
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
-    assert len(taken) == 1 and f"per shape: {installed.router.table.name}" in taken[0], taken  # one per shape
+    decided_by = f"; {installed.router.table.name} on gfx950 with 1 CUs; "
+    assert len(taken) == 1 and decided_by in taken[0], taken  # one per shape
 
 
 def test_a_kernel_that_cannot_take_the_rows_knob_keeps_those_calls_stock(
@@ -762,7 +801,7 @@ def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plu
     assert f"tuned table: {path}: IGNORED: " in doctor.render(data)
     monkeypatch.setenv(envs.TUNED_CSV, str(path))
     table, label = tuning.load(data["kernel"]["variant"], "gfx950", LOGGER)
-    assert table is None and label.startswith("no measurement for the general FlyDSL kernel")
+    assert table is None and uncovered_label(label), label
     warnings = warnings_of(plugin_log)
     assert len(warnings) == 1 and warnings[0].startswith("vllm-flydsl-indexer: tuned table ignored: ")
     why = note.removeprefix("IGNORED: ").removesuffix("; next source tried")
