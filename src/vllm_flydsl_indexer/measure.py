@@ -186,24 +186,16 @@ def verdict(router, args: tuple, compress_ratio: int, routes: list) -> tuple | s
             figures = _failed(router, f"agreeing on {describe(shape)} batch {bucket} across the TP group", e)
     best = min((1, 2), key=lambda i: figures[i])
     taken = figures[0] < math.inf and figures[best] * MARGIN <= figures[0]
-    pick = (BACKENDS[best] if taken else "gluon", bucket, 0, None, "this node's measurement")
+    source = "this node's measurement" if cached is None else "this node's cache"
+    pick = (BACKENDS[best] if taken else "gluon", bucket, 0, None, source)
     router.verdicts[key, bucket] = pick if figures[0] < math.inf else f"{NOT_MEASURED} (no figures)"
     if cached is None and figures[0] < math.inf:
         us = [round(f * 1e6, 2) for f in figures]
-        values = (
-            router.gfx,
-            cus,
-            bucket,
-            *key[1:],
-            key[4] > 1,
-            ";".join(map(str, CONTEXTS)),
-            pick[0],
-            0,
-            0,
-            0,
-        )
-        times = (us[best] if taken else us[0], us[0], min(us[1:]))
-        row = dict(zip(tuning.COLUMNS, (*values, *times), strict=True))
+        contexts = ";".join(map(str, sorted({min(c, args[6]) for c in CONTEXTS})))  # as timed (clamped)
+        row = dict(zip(tuning.COLUMNS, (
+            router.gfx, cus, bucket, *key[1:], key[4] > 1, contexts, pick[0], 0, 0, 0,
+            us[best] if taken else us[0], us[0], min(us[1:]),
+        ), strict=True))  # fmt: skip
         router.node.shapes.setdefault(key, {})[bucket] = [(pick[0], 0)]
         router.node._picks.clear()
         timings = ", ".join(f"{b} {u} us" for b, u in zip(BACKENDS, us, strict=True) if u < math.inf)

@@ -281,7 +281,7 @@ def main(args: argparse.Namespace) -> int:
                 continue
             backend, tuned, _, conflict, source = pick
             row.winner = WINNERS.get(backend, backend)
-            if source == "this node's measurement":
+            if source in ("this node's measurement", "this node's cache"):
                 row.source, figures = (CACHED if cached else MEASURED), _figures(str(cache))
             else:
                 row.source, file = _table_source(router.table)
