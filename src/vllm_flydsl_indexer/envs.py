@@ -35,10 +35,11 @@ TABLE_IGNORED_LINE = f"{HEAD} tuned table ignored:"
 OWN_GETTER = "_vllm_flydsl_indexer_getter"
 
 
-def cache_root() -> Path:
+def cache_root(environ: dict[str, str] | None = None) -> Path:
     """vLLM's cache root, as ``vllm.envs.VLLM_CACHE_ROOT`` reads it (no vLLM import)."""
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
-    return Path(os.environ.get("VLLM_CACHE_ROOT") or default).expanduser()
+    env = os.environ if environ is None else environ
+    default = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+    return Path(env.get("VLLM_CACHE_ROOT") or default).expanduser()
 
 
 def parse_bool(text: str) -> bool | None:

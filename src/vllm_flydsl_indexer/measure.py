@@ -39,6 +39,7 @@ BUCKET_BUDGET_S = 0.05
 PROCESS_BUDGET_S = 30.0
 MAX_EXTRA_BYTES = 64 * 2**20
 MAX_REPEATS = 20
+CACHE_DIR = "flydsl_indexer"
 BACKENDS = ("gluon", "flydsl", tuning.ENTRY)
 # Why a bucket stays stock; IN_CAPTURE is not memoised (an eager call decides the bucket later).
 NOT_MEASURED = "not yet measured on this GPU: stock"
@@ -54,7 +55,7 @@ def cache_path(gfx: str, cus: int) -> Path:
     """This node's cache file for ``gfx`` with ``cus`` CUs and the installed aiter and flydsl."""
     versions = f"aiter-{installed_version(AITER_DISTRIBUTIONS)}_flydsl-{installed_version(('flydsl',))}"
     name = re.sub(r"[^A-Za-z0-9._-]", "_", f"paged_mqa_logits_{gfx}_{cus}cu_{versions}.csv")
-    return envs.cache_root() / "flydsl_indexer" / name
+    return envs.cache_root() / CACHE_DIR / name
 
 
 def load_cache(path: Path, gfx: str, cus: int, logger) -> tuning.TunedTable:

@@ -107,17 +107,17 @@ def objection(
     if pick is None or isinstance(pick, str):
         return pick
     backend, bucket, wg_per_cu, conflict, where = pick
-    shape, kernel = describe(shape_of(q, kv)), variant if backend != ENTRY else variant.entry
+    shape, kernel = describe(shape_of(q, kv)), variant.entry if backend == ENTRY else variant
     if backend == "gluon":
         return f"{where} measured stock (Gluon) faster at batch {bucket} of {shape}"
-    if conflict is not None:
-        return f"{where}: {conflict} for {shape}"
-    if kernel is None:
-        return f"{where} picks aiter's {ENTRY_NAME} for {shape}, which this aiter does not export"
-    problem = (kernel is not variant and kernel.violation(q, kv, w, lens, bt)) or kernel.knob_problem(
-        wg_per_cu
+    if conflict is not None or kernel is None:
+        return (
+            f"{where}: {conflict or f'it picks {ENTRY_NAME}, which this aiter does not export'} for {shape}"
+        )
+    problem = kernel.knob_problem(wg_per_cu) or (
+        kernel is not variant and kernel.violation(q, kv, w, lens, bt)
     )
-    return None if not problem else f"{where} measured FlyDSL with {problem}"
+    return f"{where} measured FlyDSL with {problem}" if problem else None
 
 
 @dataclass(slots=True)
@@ -147,13 +147,8 @@ def _is_capturing() -> bool:
 
 
 class FlyDSLRouter:
-    """Callable with ``rocm_fp8_paged_mqa_logits``'s signature. The patch calls :meth:`call_from` with
-    the calling module; a plain call is an unknown caller, which may take ``next_n == 1`` only.
-
-    ``logger`` is vLLM's (its ``info_once``/``warning_once``/``error_once``). ``self_test`` (on by default):
-    each shape's first call outside capture first runs its self-test; ``self_tests`` records each outcome by
-    shape and kind of bounds (``None``: passed).
-    """
+    """Callable with ``rocm_fp8_paged_mqa_logits``'s signature; the patch calls :meth:`call_from` with the
+    calling module (a plain call: unknown, ``next_n == 1`` only). ``logger`` is vLLM's (``*_once``)."""
 
     def __init__(
         self,
@@ -372,13 +367,10 @@ class FlyDSLRouter:
             # Compiled outside capture: announced once per shape, and fast from now on.
             self.compiled.add(route.shape)
             route.ready = True
-            tested = (
-                "; self-test passed"
-                if self.self_tests.get((route.shape, route.bounds, route.fn), "") is None
-                else ""
-            )
+            tested = self.self_tests.get((route.shape, route.bounds, route.fn), "") is None
             location = self.variant.entry.location if route.fn else self.variant.location
-            where = f"caller {route.caller or 'unknown'}; {location}; {route.source}{tested}"
+            where = f"caller {route.caller or 'unknown'}; {location}; {route.source}"
+            where += "; self-test passed" if tested else ""
             self.logger.info_once(
                 "%s FlyDSL taken for %s (%s)", HEAD, describe(route.shape), where, scope="process"
             )

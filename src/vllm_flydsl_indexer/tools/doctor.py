@@ -15,7 +15,7 @@ import sys
 import textwrap
 from typing import Any
 
-from vllm_flydsl_indexer import envs, gates, tuning
+from vllm_flydsl_indexer import envs, gates, measure, tuning
 from vllm_flydsl_indexer.kernels import (
     AITER_DISTRIBUTIONS,
     BLOCK_OUTER_NOTE,
@@ -155,7 +155,7 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     else:
         applies = (
             f"does NOT apply here: this GPU has {cus} CUs, the rows are for {_cu_list(table)}; "
-            "FlyDSL wherever eligible"
+            "every shape goes to this node's cache or measurement, else stock"
         )
     return {
         "source": table.name,
@@ -173,6 +173,22 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     }
 
 
+def node_cache_report(environ: dict[str, str] | None) -> dict[str, Any]:
+    """What decides the shapes no table covers (issue 44): this node's cache files and the measurement."""
+    env = os.environ if environ is None else environ
+    off = (env.get(envs.TUNED_CSV) or "").strip().lower() in tuning.OFF_VALUES
+    tune, error = envs.read_flag(envs.TUNE, env, default=True)
+    root = envs.cache_root(env) / measure.CACHE_DIR
+    files = sorted(str(p) for p in root.glob("paged_mqa_logits_*.csv")) if root.is_dir() else []
+    if off:
+        decides = f"no table ({envs.TUNED_CSV}=none): FlyDSL wherever eligible, nothing measured"
+    elif tune:
+        decides = "this node's cache, else measured at the bucket's first eager call (stock until then)"
+    else:
+        decides = f"this node's cache, else stock ({envs.TUNE}=0)"
+    return {"dir": str(root), "files": files, "uncovered_shapes": decides, "error": error}
+
+
 def describe(table: tuning.TunedTable) -> list[dict[str, object]]:
     """Per shape and CU count, the arm (and FlyDSL knob) of each batch bucket."""
     out = []
@@ -180,7 +196,7 @@ def describe(table: tuning.TunedTable) -> list[dict[str, object]]:
         entries = []
         for batch in sorted(buckets):
             backend, _, wg_per_cu, conflict = table.choice(cus, batch, next_n, heads, head_dim, block_size)
-            arm = "flydsl" if backend == "flydsl" and conflict is None else "stock"
+            arm = backend if backend in ("flydsl", tuning.ENTRY) and conflict is None else "stock"
             entry: dict[str, object] = {"batch_at_least": batch, "arm": arm}
             if backend == "flydsl":
                 entry["wg_per_cu"] = wg_per_cu
@@ -381,6 +397,7 @@ def report(
         ],
         "kernel": kernel_report(decision.variant),
         "tuned_table": table,
+        "node_cache": node_cache_report(environ),
         "kv_cache_layout": layout_report(environ),
         "ray_non_carry_over": ray_non_carry_over_report(environ),
         "flydsl_for_aiter": flydsl_requirement_report(),
@@ -422,7 +439,7 @@ def render_table(table: dict[str, Any]) -> list[str]:
         return ignored or [f"tuned table: {table['source']}: {table['note']}"]
     out = [
         *ignored,
-        f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; uncovered shapes: FlyDSL)",
+        f"tuned table: {table['source']} ({table['rows']} rows for {table['gfx']}; uncovered shapes: below)",
         f"             {table['applies']}",
         *(f"  skipped by the plugin: {why}" for why in table.get("skipped", ())),
     ]
@@ -500,6 +517,11 @@ def render(data: dict[str, Any]) -> str:
                 arm += " from audited callers"
             out.append(f"          {label:<33} {shape['kv_block_size']:<4} {shape['next_n']:<7} {arm}")
     out += ["", *render_table(data["tuned_table"])]
+    cache = data["node_cache"]
+    out += [
+        f"uncovered shapes: {cache['uncovered_shapes']}",
+        f"node cache: {cache['dir']} ({len(cache['files'])} file(s))",
+    ]
     layout = data["kv_cache_layout"]
     out += [""] + textwrap.wrap(
         layout["note"], 100, break_on_hyphens=False, initial_indent="layout:   ", subsequent_indent=" " * 10
