@@ -162,7 +162,8 @@ def test_first_taken_line_names_configuration_and_caller(
     taken = [r.getMessage() for r in plugin_log if "FlyDSL taken for" in r.getMessage()]
     assert taken == [
         "vllm-flydsl-indexer: FlyDSL taken for heads=64 head_dim=128 KVBlockSize=64 next_n=2 "
-        f"(caller {TARGET_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; self-test passed)"
+        f"(caller {TARGET_MODULE}; aiter.ops.flydsl.flydsl_fp8_paged_mqa_logits; "
+        "no table: FlyDSL wherever eligible; self-test passed)"
     ]
 
 

@@ -510,7 +510,10 @@ def run_behaviour(
         if behaviour.plain_stock:
             hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
         variant = dataclasses.replace(reference, fn=kernel)
-        router = FlyDSLRouter(stock, variant, hooks, logger, table=table, self_test=behaviour.self_test)
+        # tune=None: a shape the behaviour's table does not cover takes FlyDSL, never this node's measurement.
+        router = FlyDSLRouter(
+            stock, variant, hooks, logger, table=table, self_test=behaviour.self_test, tune=None
+        )
         tag = f"as {contract.name}"
         self_tested: set[tuple] = set()  # the shapes (and bounds) whose self-test ran
         for number, step in enumerate(behaviour.steps, start=1):

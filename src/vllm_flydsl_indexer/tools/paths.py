@@ -236,6 +236,10 @@ def build_paths(
     def make_router(**kwargs) -> FlyDSLRouter:
         # As serving installs it: the self-test unless VLLM_FLYDSL_INDEXER_SELFTEST turns it off.
         kwargs.setdefault("self_test", envs.read_flag(envs.SELFTEST, default=True)[0])
+        # A routing proof, not a speed claim: no table and no measurement (FlyDSL wherever eligible), so
+        # every case's expected arm follows from the rules alone, on any GPU and node cache.
+        kwargs.setdefault("table", None)
+        kwargs.setdefault("tune", None)
         return FlyDSLRouter(stock, variant, hooks, logger, **kwargs)
 
     return Paths(
