@@ -1,24 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """What aiter has: which FlyDSL paged-MQA-logits API, its exact contract and its graph-safe launch, as values.
 
-One public name has meant several kernels, so :func:`find_kernel` identifies what it found from
-signatures, module constants and the wrapper's source, never from the name alone, and returns a
-:class:`KernelVariant` carrying that API's contract and launch. Supported (``docs/aiter-kernels.md``):
-
-* ``dispatcher``: aiter's tuned dispatcher (PR #6140), ``aiter.paged_mqa_logits.paged_mqa_logits``
-  beside ``get_paged_mqa_logits_config`` and ``run_paged_mqa_logits``. Preferred: its table picks
-  Gluon or FlyDSL per shape; the router hands it only its FlyDSL picks, and the self-test forces
-  FlyDSL through ``run_paged_mqa_logits``, as aiter's tuner does.
-* ``gfx950``: the gfx950 kernel (``next_n_lens``, module constants ``NUM_HEADS``... ``MAX_NN``, q range-
-  checked against ``MAX_NN``). Its automatic SplitKV reads ``context_lens.max().item()``, a host sync
-  that breaks graph capture, so every launch passes SplitKV from shapes, as aiter's dispatcher does.
-* ``general``: aiter PR #4221's kernel (``ChunkK``, ``WavePerEU``, ``variant``): launched with
-  KVBlockSize and Preshuffle only; its other knobs keep their defaults.
-
-Two revisions aiter moved past are refused with one line (:data:`UNSUPPORTED`): the earlier gfx950 kernel
-(``SUPPORTED_HEADS``, no ``next_n_lens``) and the one that takes q padded to ``MAX_NN`` rows. Anything
-else keeps vLLM stock, with the reason. Importing aiter can fail with errors other than ImportError (an
-aiter/flydsl mismatch), so every probe catches any exception. Imports no vLLM.
+One public name has meant several kernels, so :func:`find_kernel` identifies what it found from signatures,
+module constants and the wrapper's source, never the name alone, as a :class:`KernelVariant` carrying that
+API's contract and launch: ``dispatcher`` (aiter's tuned dispatcher, PR #6140; preferred), ``gfx950`` (the
+gfx950 kernel with ``next_n_lens``; its automatic SplitKV syncs the host, so every launch passes one from
+shapes), ``general`` (PR #4221's kernel) or, beside a kernel, ``gfx950-entry`` (aiter's ``_gfx950`` entry).
+Two revisions aiter moved past are refused (:data:`UNSUPPORTED`); anything else keeps stock with the reason
+(``docs/aiter-kernels.md``). Importing aiter can raise more than ImportError: every probe catches anything.
 """
 
 from __future__ import annotations
@@ -43,14 +32,12 @@ BLOCK_OUTER_NOTE = (
     "is strided and every call stays stock: DeepSeek-V4/V4.1 and GLM-5-next (kpool tail cache) "
     "require one; VLLM_KV_CACHE_LAYOUT or a KV connector can choose one for DeepSeek-V3.2 and GLM-5.x."
 )
-# aiter's dispatcher: workgroups per CU when it picks SplitKV for FlyDSL (its FLYDSL_DEFAULT_WG_PER_CU,
-# aiter/paged_mqa_logits.py at 1eb1a7b5), and what its tuner sweeps (FLYDSL_WG_PER_CU).
+# aiter's dispatcher's FLYDSL_DEFAULT_WG_PER_CU and its tuner's FLYDSL_WG_PER_CU (at 1eb1a7b5).
 WORKGROUPS_PER_CU = 3
 TUNER_WG_PER_CU = (1, 2, 3, 4)
 KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
-# aiter f33a573e/6c1c496c: a second entry point beside the general kernel, AMD's DeepSeek-V3.2 mapping.
+# aiter f33a573e/6c1c496c: an entry beside the general kernel; its automatic SplitKV, ``ceil(cu * 8 / B)``.
 ENTRY_NAME = "flydsl_fp8_paged_mqa_logits_gfx950"
-# Its automatic SplitKV, ``ceil(cu * 8 / B)`` clamped to the pages, passed explicitly.
 ENTRY_WORKGROUPS_PER_CU = 8
 # Probed in order after the dispatcher: the re-export, the PR branch's module, earlier revisions.
 KERNEL_MODULES = (
@@ -168,9 +155,8 @@ class KernelVariant:
     def launch_kwargs(
         self, batch: int, block_size: int, max_model_len: int, cus: int, wg_per_cu: int = 0
     ) -> dict:
-        """A launch's keyword arguments, from shapes only: KVBlockSize and Preshuffle (vLLM's ROCm layout
-        rule, ``block_size > 1``); for the gfx950 API an explicit SplitKV from ``wg_per_cu`` (a tuned row's
-        knob; ``0``: the default), as aiter's dispatcher computes it."""
+        """A launch's keyword arguments, from shapes only: KVBlockSize, Preshuffle (``block_size > 1``) and,
+        for the gfx950 API, aiter's dispatcher's SplitKV at ``wg_per_cu`` (a tuned row's; ``0``: default)."""
         kwargs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
         if self.name == "gfx950-entry":  # it takes no Preshuffle keyword (a TypeError)
             del kwargs["Preshuffle"]
@@ -199,9 +185,7 @@ def cu_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=16)
 def _cu_count(device_type: str, index: int | None) -> int:
-    if device_type == "cuda":
-        return torch.cuda.get_device_properties(index or 0).multi_processor_count
-    return 1
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count if device_type == "cuda" else 1
 
 
 def explicit_split_kv(
@@ -259,26 +243,23 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
     general_knobs = {"ChunkK", "WavePerEU", "variant"} & set(params)
     if len(general_knobs) == 3 and "next_n_lens" not in params:
         return KernelVariant("general", fn, location, "general FlyDSL kernel (aiter PR #4221)")
+    if general_knobs or "SplitKV" not in keyword_only:
+        return "an API of an unknown shape (neither PR #4221's kernel nor the gfx950 kernel)"
     try:
         home = importlib.import_module(fn.__module__)
     except Exception:  # noqa: BLE001 - read the constants where it was found
         home = module
-    constants = {
-        n: _ints(getattr(home, n, None))
-        for n in ("NUM_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM", "MAX_NN")
-    }
-    unsupported = None
-    if general_knobs or "SplitKV" not in keyword_only:
-        return "an API of an unknown shape (neither PR #4221's kernel nor the gfx950 kernel)"
-    if "next_n_lens" not in params and getattr(home, "SUPPORTED_HEADS", None) is not None:
-        unsupported = "early"
-    elif "next_n_lens" in params:
+    names = ("NUM_HEADS", "HEAD_DIM", "KV_BLOCK_SIZE", "INDEX_DIM", "MAX_NN")
+    constants = {n: _ints(getattr(home, n, None)) for n in names}
+    if "next_n_lens" in params:
         unreadable = [
             n for n, v in constants.items() if v is None or (n in ("INDEX_DIM", "MAX_NN") and len(v) != 1)
         ]
         if unreadable:
             return f"gfx950-style API whose module lacks a readable {', '.join(unreadable)}"
         unsupported = _q_rows_contract(fn)
+    elif getattr(home, "SUPPORTED_HEADS", None) is not None:
+        unsupported = "early"
     else:
         return "an API of an unknown shape (no next_n_lens, no ChunkK/WavePerEU/variant)"
     if unsupported is not None:
@@ -286,12 +267,9 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
             unsupported, f"a gfx950 kernel whose q contract cannot be told ({unsupported})"
         )
         return f"this aiter revision is not supported: {what} ({SUPPORTED}); the stock path is kept"
-    (index_dim,), (max_nn,) = constants["INDEX_DIM"], constants["MAX_NN"]
-    return KernelVariant(
-        "gfx950", fn, location, "gfx950-specialised FlyDSL kernel", constants["NUM_HEADS"],
-        constants["HEAD_DIM"],
-        constants["KV_BLOCK_SIZE"], index_dim, max_nn, True, WORKGROUPS_PER_CU,
-    )  # fmt: skip
+    heads, head_dims, block_sizes, (index_dim,), (max_nn,) = constants.values()
+    contract = (heads, head_dims, block_sizes, index_dim, max_nn, True, WORKGROUPS_PER_CU)
+    return KernelVariant("gfx950", fn, location, "gfx950-specialised FlyDSL kernel", *contract)
 
 
 def identify_entry(fn: Callable, module: ModuleType, location: str) -> KernelVariant | str:
@@ -306,26 +284,20 @@ def identify_entry(fn: Callable, module: ModuleType, location: str) -> KernelVar
         return "not the _gfx950 entry's signature"
     home = importlib.import_module(fn.__module__)
     heads = _ints(getattr(home, "SUPPORTED_HEADS", None) or getattr(home, "NUM_HEADS", None))
-    head_dim, block, next_n = (
-        _ints(getattr(home, n, None)) for n in ("HEAD_DIM", "KV_BLOCK_SIZE", "NEXT_N_MAX")
-    )
+    names = ("HEAD_DIM", "KV_BLOCK_SIZE", "NEXT_N_MAX")
+    head_dim, block, next_n = (_ints(getattr(home, n, None)) for n in names)
     if None in (heads, head_dim, block, next_n) or len(head_dim) != 1 or len(next_n) != 1:
         return "its module lacks readable SUPPORTED_HEADS/NUM_HEADS, HEAD_DIM, KV_BLOCK_SIZE, NEXT_N_MAX"
     (dim,), (most,) = head_dim, next_n
+    contract = (heads, head_dim, block, dim + SCALE_BYTES, most, True, ENTRY_WORKGROUPS_PER_CU)
     description = "aiter's _gfx950 FlyDSL entry (no Preshuffle keyword)"
-    return KernelVariant(
-        "gfx950-entry", fn, location, description, heads, head_dim, block, dim + SCALE_BYTES, most, True,
-        ENTRY_WORKGROUPS_PER_CU,
-    )  # fmt: skip
+    return KernelVariant("gfx950-entry", fn, location, description, *contract)
 
 
 def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | str:
     """aiter's tuned dispatcher in ``module`` (identified by its functions, not its name), or why not."""
-    fn, config = (
-        getattr(module, "paged_mqa_logits", None),
-        getattr(module, "get_paged_mqa_logits_config", None),
-    )
-    run, supports = getattr(module, "run_paged_mqa_logits", None), getattr(module, "flydsl_supports", None)
+    names = ("paged_mqa_logits", "get_paged_mqa_logits_config", "run_paged_mqa_logits", "flydsl_supports")
+    fn, config, run, supports = (getattr(module, name, None) for name in names)
     if not callable(fn) or not callable(config):
         return "no paged_mqa_logits with get_paged_mqa_logits_config (not aiter's tuned dispatcher)"
     try:
@@ -337,14 +309,12 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
     if not callable(run):
         return "no run_paged_mqa_logits: the self-test could not launch FlyDSL alone through it"
 
-    def dispatch_objection(args: tuple, preshuffle: bool) -> str | None:
+    def objection(args: tuple, preshuffle: bool) -> str | None:
         """Its table row (host-side, memoised by aiter) and ``flydsl_supports``, exactly as the dispatcher
         asks: ``None`` where it launches FlyDSL. The reason names the shape, not the batch."""
         q, kv, w = args[:3]
-        batch, next_n, heads, head_dim = q.shape
-        block_size = kv.shape[1]
-        backend = config(batch, next_n, heads, head_dim, block_size, preshuffle).get("backend")
-        shape = f"heads={heads} head_dim={head_dim} KVBlockSize={block_size} next_n={next_n}"
+        block_size, shape = kv.shape[1], describe(shape_of(q, kv))
+        backend = config(*q.shape, block_size, preshuffle).get("backend")
         if backend != "flydsl":
             return (
                 f"aiter's dispatcher picks {backend} at some batch sizes of {shape}: vLLM's Gluon call runs"
@@ -353,11 +323,9 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
             return f"aiter's dispatcher would not launch FlyDSL for {shape} (flydsl_supports)"
         return None
 
-    def forced_flydsl(
-        q, kv, weights, out, lens, tables, max_model_len: int, *, Preshuffle, KVBlockSize, live
-    ):
+    def forced(q, kv, weights, out, lens, tables, max_model_len: int, *, Preshuffle, KVBlockSize, live):
         """The dispatcher made to launch FlyDSL on this problem with its row for the ``live`` call's
-        arguments (FlyDSL, as ``dispatch_objection`` passed it), whatever its table says for this one."""
+        arguments (FlyDSL, as ``objection`` passed it), whatever its table says for this one."""
         batch, next_n, heads, head_dim = live[0].shape
         row = config(batch, next_n, heads, head_dim, KVBlockSize, Preshuffle)
         if row.get("backend") != "flydsl":
@@ -366,13 +334,7 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
 
     description = "aiter's tuned Gluon/FlyDSL dispatcher"
     return KernelVariant(
-        "dispatcher",
-        fn,
-        location,
-        description,
-        own_table=True,
-        dispatch_objection=dispatch_objection,
-        flydsl=forced_flydsl,
+        "dispatcher", fn, location, description, own_table=True, dispatch_objection=objection, flydsl=forced
     )
 
 

@@ -16,6 +16,11 @@ import torch
 from vllm_flydsl_indexer.target import INDEX_TOPK, SCALE_BYTES
 
 REAL_KERNEL_TOLERANCE = 1e-3
+# Logits entries the comparison handles at once (whole rows, at least one): bounds its temporaries.
+CHUNK_ELEMENTS = 1 << 16
+# What one self-test may allocate, inputs and both outputs included (tests/test_selftest.py holds it).
+MAX_BYTES = 4 << 20
+SEED = 20251205
 
 
 def read_window_ends(context_lens: torch.Tensor, rows: int, next_n: int) -> torch.Tensor:
@@ -36,10 +41,6 @@ def describe_agreement(found: dict) -> str:
     mask, topk = ("identical" if found[key] else "DIFFERENT" for key in ("mask_equal", "topk_equal"))
     nan = "" if found["nan_free"] else ", NaN or unwritten values read"
     return f"max rel diff {found['max_rel_diff']:.3e}, -inf mask {mask}, top-k {topk}{nan}"
-
-
-# Logits entries the comparison handles at once (whole rows, at least one): bounds its temporaries.
-CHUNK_ELEMENTS = 1 << 16
 
 
 def compare_in_windows(
@@ -69,8 +70,7 @@ def compare_in_windows(
         mask_differs |= ((torch.isneginf(e) != torch.isneginf(a)) & inside).any()
         finite = inside & torch.isfinite(e) & torch.isfinite(a)
         x, y = torch.where(finite, e, 0.0).double(), torch.where(finite, a, 0.0).double()
-        cross = (x * y).sum(dim=1)
-        norms = (x * x + y * y).sum(dim=1)
+        cross, norms = (x * y).sum(dim=1), (x * x + y * y).sum(dim=1)
         del x, y
         # 1 - 2*sum(xy) / sum(x^2 + y^2) per row; a zero denominator means both rows are all zero.
         rel = torch.where(norms > 0, 1 - 2 * cross / norms.clamp_min(1e-300), 0.0)
@@ -87,11 +87,6 @@ def compare_in_windows(
         "topk_equal": not bool(topk_differs),
         "nan_free": not bool(found_nan),
     }
-
-
-# What one self-test may allocate, inputs and both outputs included (tests/test_selftest.py holds it).
-MAX_BYTES = 4 << 20
-SEED = 20251205
 
 
 def synthetic_lengths(block_size: int, next_n: int) -> list[int]:
@@ -125,8 +120,7 @@ def synthetic(
     lengths = torch.tensor(synthetic_lengths(block_size, next_n), dtype=torch.int64)
     batch = lengths.numel()
     max_model_len, blocks = width(block_size, next_n)
-    pool = batch * blocks
-    key_bytes = block_size * head_dim
+    pool, key_bytes = batch * blocks, block_size * head_dim
     flat = torch.zeros(pool, block_size * index_dim, dtype=torch.uint8)
     keys = torch.randn(pool, key_bytes, generator=gen).mul(64).to(torch.float8_e4m3fn)
     flat[:, :key_bytes] = keys.view(torch.uint8)
