@@ -109,11 +109,11 @@ def test_the_tools_mark_their_public_names_and_the_runtime_does_not():
 
 # The runtime wing's size, counted as the before-stop hook counts it: the modules directly under the
 # package but __main__.py, every line (blank, comment and docstring lines too), and every class statement
-# (ast.ClassDef). Issue 43 asks at most 10 modules, 1,900 lines and 8 classes, and leaves room below 2,000
-# for the next issue (the user's own GPU measured). Pinned where issue 43 leaves the wing: 9 modules, 1,883
-# lines, 7 classes (from 10, 3,099 and 23 at issue 38's close). Lower these as the wing shrinks.
-ISSUE_43_CEILINGS = {"modules": 10, "lines": 1900, "classes": 8}
-MAX_PLUGIN_LINES = 1883
+# (ast.ClassDef). Issue 44 (this node's measurement, the _gfx950 entry, the node cache) asks the wing with it
+# inside to stay at most 10 modules, 2,000 lines and 8 classes; it is pinned where issue 44 leaves it: 10
+# modules (measure.py added), 2,000 lines (from 1,883: +200 for issue 44, -83 trimmed), 7 classes.
+ISSUE_44_CEILINGS = {"modules": 10, "lines": 2000, "classes": 8}
+MAX_PLUGIN_LINES = 2000
 MAX_PLUGIN_CLASSES = 7
 
 
@@ -129,9 +129,9 @@ def wing_size() -> dict[str, int]:
 
 def test_the_runtime_wing_stays_small():
     size = wing_size()
-    assert size["modules"] <= MAX_PLUGIN_MODULES == ISSUE_43_CEILINGS["modules"], size
-    assert size["lines"] <= MAX_PLUGIN_LINES <= ISSUE_43_CEILINGS["lines"], f"the runtime wing is {size}"
-    assert size["classes"] <= MAX_PLUGIN_CLASSES <= ISSUE_43_CEILINGS["classes"], (
+    assert size["modules"] <= MAX_PLUGIN_MODULES == ISSUE_44_CEILINGS["modules"], size
+    assert size["lines"] <= MAX_PLUGIN_LINES <= ISSUE_44_CEILINGS["lines"], f"the runtime wing is {size}"
+    assert size["classes"] <= MAX_PLUGIN_CLASSES <= ISSUE_44_CEILINGS["classes"], (
         f"the runtime wing is {size}"
     )
 

@@ -1,19 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Never FlyDSL blind: a bucket no table covers is timed on this GPU once, agreed by the TP group, cached.
 
-* **When:** a bucket (a tuned-CSV row's key: CUs, next_n, heads, head_dim, KVBlockSize, the batch's
-  power-of-two floor) is decided at its first eager call, the router's last rule (:func:`verdict`); one
-  first seen in graph capture stays stock, unmemoised, until an eager call decides it.
-* **What:** stock, the router's FlyDSL launch and aiter's ``_gfx950`` entry where it takes the shape (each
-  self-tested first), on one problem: ``bucket`` sequences at AMD's tuner contexts (:data:`CONTEXTS`, clamped
-  to ``max_model_len``: how the CPU simulation shrinks it) over the live cache's pages, fresh q and weights,
-  the logits in vLLM's workspace. Device events (``perf_counter`` on CPU): one untimed call, then repeats in
-  an equal share of :data:`BUCKET_BUDGET_S`; geomean over contexts; :data:`PROCESS_BUDGET_S` in all.
-* **One verdict per TP group:** every rank enters one all-reduce (MAX over vLLM's TP CPU group) per bucket,
-  whatever it holds (cached or measured figures, or +inf for none): the slowest rank counts, a missing
-  stock figure keeps stock, FlyDSL must win by :data:`MARGIN`.
-* **Cached** in aiter's tuned-CSV format under vLLM's cache root, named by gfx, CUs, aiter and flydsl;
-  written by group rank 0 under a lock, atomically; a corrupt or foreign file: one WARNING, rewritten.
+* **When:** at a bucket's first eager call (a tuned-CSV row's key, the batch's power-of-two floor), as the
+  router's last rule (:func:`verdict`); a bucket first seen in graph capture stays stock, unmemoised.
+* **What:** stock, the router's FlyDSL launch and aiter's ``_gfx950`` entry where it fits (each self-tested
+  first), on one problem: ``bucket`` sequences at AMD's tuner contexts (clamped to ``max_model_len``: how the
+  CPU simulation shrinks it) over the live cache's pages, fresh q and weights, logits in vLLM's workspace.
+  Device events (wall clock on CPU), one untimed call then repeats within a share of :data:`BUCKET_BUDGET_S`.
+* **One verdict per TP group:** every rank enters one all-reduce (MAX, vLLM's TP CPU group) per bucket,
+  whatever it holds (cached or measured figures, or +inf): the slowest rank counts, a missing stock figure
+  keeps stock, FlyDSL must win by :data:`MARGIN`.
+* **Cached** as tuned-CSV rows under vLLM's cache root, one file per gfx, CUs, aiter and flydsl, written by
+  rank 0 under a lock and atomically; a corrupt or foreign file gets one WARNING and is rewritten.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ MARGIN = 1.03
 BUCKET_BUDGET_S = 0.05
 PROCESS_BUDGET_S = 30.0
 MAX_EXTRA_BYTES = 64 * 2**20
-MAX_REPEATS = 20
 CACHE_DIR = "flydsl_indexer"
 BACKENDS = ("gluon", "flydsl", tuning.ENTRY)
 # Why a bucket stays stock; IN_CAPTURE is not memoised (an eager call decides the bucket later).
@@ -77,8 +74,8 @@ def write_cache(path: Path, rows: list[dict]) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)
         kept, old = {}, tuning.read(str(path), rows[0]["gfx"], "node") if path.exists() else None
         if isinstance(old, tuning.TunedTable) and not old.skipped and old.cu_counts() == {rows[0]["cu_num"]}:
-            text = "".join(line for line in io.StringIO(tuning.read_capped(str(path))) if line[:1] != "#")
-            kept = {tuple(r.get(c) for c in tuning.KEY_COLUMNS): r for r in csv.DictReader(io.StringIO(text))}
+            rows_in = csv.DictReader(io.StringIO(tuning.read_capped(str(path))))  # a cache has no comments
+            kept = {tuple(r.get(c) for c in tuning.KEY_COLUMNS): r for r in rows_in}
         kept.update({tuple(str(r[c]) for c in tuning.KEY_COLUMNS): r for r in rows})
         out = io.StringIO()
         writer = csv.DictWriter(out, tuning.COLUMNS, extrasaction="ignore")
@@ -107,7 +104,7 @@ def _time(fn, device: torch.device, share: float) -> float:
         return (time.perf_counter() - began) / n
 
     once = run(1)
-    repeats = int(min(MAX_REPEATS, (share - once) // max(once, 1e-9)))
+    repeats = int((share - once) // max(once, 1e-9))
     return run(repeats) if repeats > 0 else once
 
 
@@ -119,9 +116,7 @@ def measure(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     most = -(-min(max(CONTEXTS), max_model_len) // block_size)
     if rows * heads * (head_dim + 4) + bucket * most * 4 > MAX_EXTRA_BYTES:
         raise MemoryError(f"the timing problem needs more than {MAX_EXTRA_BYTES >> 20} MiB")
-    qb = torch.randint(1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device).view(
-        q.dtype
-    )
+    qb = torch.randint(1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device)
     wb = torch.rand(rows, heads, device=device)
     share = BUCKET_BUDGET_S / (1 + sum(r is not None for r in routes)) / len(CONTEXTS)
     figures: list[list[float]] = [[] for _ in range(len(routes) + 1)]
@@ -130,7 +125,7 @@ def measure(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
         tables = torch.arange(bucket * pages, device=device, dtype=torch.int32).remainder_(kv.shape[0])
         ends = torch.arange(1 - next_n, 1, dtype=torch.int32, device=device).add_(context).repeat(bucket, 1)
         bounds = ends if lens.dim() == 2 else ends[:, -1].contiguous()
-        problem = (qb, kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
+        problem = (qb.view(q.dtype), kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
         stock = functools.partial(router.original, *problem, compress_ratio=compress_ratio)
         figures[0].append(_time(stock, device, share))
         out = router.hooks.output_buffer(rows, max_model_len)
@@ -170,10 +165,7 @@ def verdict(router, args: tuple, compress_ratio: int, routes: list) -> tuple | s
             figures = [1.0, *(1 / MARGIN if (b, 0) in cached else math.inf for b in BACKENDS[1:])]
         elif shape not in router.failed and router.spent < PROCESS_BUDGET_S:
             began = time.perf_counter()
-            routes = [
-                r if r is not None and router._tested(r, args, compress_ratio) is None else None
-                for r in routes
-            ]
+            routes = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
             figures = measure(router, args, compress_ratio, bucket, routes)
             router.spent += time.perf_counter() - began
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock

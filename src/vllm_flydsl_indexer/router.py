@@ -1,18 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """The route: the rules of the decode step, the memo, the guards and the one net. Imports no vLLM.
 
-:class:`FlyDSLRouter` replaces ``rocm_fp8_paged_mqa_logits``: a call is taken and launched on the
-identified FlyDSL API, or handed to the original unchanged. It reads shapes, dtypes, strides, Python
-arguments and the calling module, never a tensor value: no host sync, the same inside graph capture.
+:class:`FlyDSLRouter` replaces ``rocm_fp8_paged_mqa_logits``: a call is launched on the identified FlyDSL
+API, or handed to the original unchanged. It reads shapes, dtypes, strides, Python arguments and the
+calling module, never a tensor value: no host sync, the same inside graph capture.
 
-* **The rules** (:func:`objection`), in order; the first reason is what the log says, once per shape. None
-  reads vLLM (stock's questions go to the hooks), so the verdict is memoised on the call's signature; a
-  FlyDSL verdict is launched only while the call's other facts (:func:`call_facts`) are the same.
-* **The guards**: no first-time compile or self-test inside capture; a shape proves itself
+* **The rules** (:func:`objection`), in order, the first reason logged once; the last asks the table, else
+  this node's measurement (:mod:`~vllm_flydsl_indexer.measure`). The verdict is memoised on the call's
+  signature and launched only while the call's other facts (:func:`call_facts`) are the same.
+* **The guards**: no first-time compile, self-test or measurement inside capture; a shape proves itself
   (:mod:`~vllm_flydsl_indexer.selftest`) at its first call outside capture; a failed shape stays stock.
 * **One net**: everything the router does runs in one ``try``; any exception gives stock's answer, one
   ERROR, and the shape stays stock (an argument check, :data:`ARGUMENT_ERRORS`, only that signature).
-  Only stock's own call runs outside it, so what it raises reaches vLLM as without the plugin.
 """
 
 from __future__ import annotations
@@ -50,8 +49,7 @@ STAYS_STOCK = "This call and every later call of this shape use the stock path u
 
 
 def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
-    """What the rules read besides the memo key: dtypes, q's and the weights' contiguity, the other
-    shapes, the device and the DCP size."""
+    """What the rules read besides the memo key: dtypes, contiguity, other shapes, device, DCP size."""
     return (
         dcp_world_size, q.dtype, kv.dtype, w.dtype, w.shape, lens.dtype, bt.dtype, bt.shape,
         q.is_contiguous(), w.is_contiguous(), q.device,
@@ -212,9 +210,8 @@ class FlyDSLRouter:
         )  # fmt: skip
 
     def pick(self, args: tuple, compress_ratio: int) -> tuple | str | None:
-        """``(backend, bucket, wg_per_cu, conflict, source)`` for this call from the table, else this node's
-        measurement; a reason to stay stock; or ``None`` (no table at all: FlyDSL). A table with no rows for
-        this GPU's CU count is dropped first, with one line."""
+        """``(backend, bucket, wg_per_cu, conflict, source)`` from the table (dropped, with one line, if none
+        of its rows are for this CU count), else this node's measurement; a reason; ``None``: no table."""
         q, kv, w, lens, bt, _, max_model_len = args
         table, cus = self.table, cu_count(q.device)
         if table is not None and cus not in table.cu_counts():
@@ -243,8 +240,7 @@ class FlyDSLRouter:
     def _flydsl_or_none(
         self, key: tuple, route: Route | None, args: tuple, facts: tuple, compress_ratio: int, caller
     ) -> torch.Tensor | None:
-        """FlyDSL's answer to a call whose memoised verdict is not stock, or ``None`` for stock's. A FlyDSL
-        verdict decided on other facts than this call's is looked up, or decided, under key and facts."""
+        """FlyDSL's answer to a call not memoised as stock, or ``None``; other facts: keyed by them too."""
         if route is not None and route.facts != facts:
             key = (key, facts)
             route = self.routes.get(key)
@@ -257,8 +253,7 @@ class FlyDSLRouter:
         return self._first_calls(route, args, compress_ratio)
 
     def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller, facts: tuple = ()) -> Route:
-        """The rules' verdict on a new call signature, kept while the memo has room. A shape that failed
-        stays stock without asking anything again."""
+        """The rules' verdict on a new call signature, kept while the memo has room (not from capture)."""
         q, kv, w, lens, bt, _, max_model_len = args
         shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
         facts = facts or call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size())
@@ -299,8 +294,7 @@ class FlyDSLRouter:
         return self._launch(route, args)
 
     def _tested(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
-        """The route's self-test, once per shape, kind of bounds and kernel: ``None`` if it passed (or is
-        off); a failure sends the shape to stock, with one ERROR."""
+        """The self-test, once per shape, bounds and kernel: ``None`` if passed or off (failed: stock)."""
         key = (route.shape, route.bounds, route.fn)
         if self.self_test and key not in self.self_tests:
             self.self_tests[key] = problem = self._self_test(route, args, compress_ratio)

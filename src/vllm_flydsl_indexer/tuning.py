@@ -1,17 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The measured per-shape choice between FlyDSL and stock, read from an aiter-format tuned CSV.
+"""The measured per-shape choice between FlyDSL and stock, from an aiter-format tuned CSV (where aiter has
+its tuned dispatcher, its own table decides; ``docs/aiter-kernels.md``, "The tuned table").
 
-Where aiter has its tuned dispatcher, its own table decides; otherwise the same choice and launch, from the
-same kind of file (``docs/aiter-kernels.md``, "The tuned table"):
-
-* **Where from** (:func:`sources`, read once at registration, the first usable one winning):
-  ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` (:data:`OFF_VALUES`: no table, FlyDSL wherever eligible), else the
-  built-in one (AMD's MI355X measurements) for the kernel it measured. Shapes it does not cover go to this
-  node's cache and measurement (:mod:`~vllm_flydsl_indexer.measure`), the same format.
-* **Read leniently, as aiter's reader:** unusable rows are skipped with one WARNING per file (``doctor``
-  says why); a file with no usable row for this GPU falls to the next source, with one WARNING.
-* **Lookup, as aiter's:** this GPU's rows (``gfx``, ``cu_num``) and shape; the largest tuned ``batch_size``
-  at or below the call's. Its rows must agree on one backend (and ``wg_per_cu``, aiter's SplitKV rule).
+* **Where from** (:func:`sources`, once at registration, the first usable winning): the user's table
+  (``envs.TUNED_CSV``; :data:`OFF_VALUES`: none, FlyDSL wherever eligible), else the built-in one (AMD's
+  MI355X measurements) for the kernel it measured. Uncovered shapes: this node's cache or measurement.
+* **Read leniently, as aiter's reader:** unusable rows skipped with one WARNING per file (``doctor`` says
+  why); a file with no usable row for this GPU falls to the next source, with one WARNING.
+* **Lookup, as aiter's:** this GPU's rows (``gfx``, ``cu_num``) and shape, at the largest ``batch_size`` at
+  or below the call's; its rows must agree on one backend (and ``wg_per_cu``, aiter's SplitKV rule).
 """
 
 from __future__ import annotations
@@ -81,7 +78,7 @@ class TunedTable:
 
     name: str  # how reasons and log lines name it: the built-in one by its label, a file by its path
     gfx: str
-    origin: str = "env"  # "env", "aiter" or "built-in"
+    origin: str = "env"  # "env", "built-in" or "node"
     shapes: dict[tuple, dict[int, list[tuple[str, int]]]] = field(default_factory=dict)
     skipped: int = 0  # rows the lookup cannot use (any gfx)
     _picks: dict[tuple, tuple | None] = field(default_factory=dict, repr=False)
