@@ -262,8 +262,7 @@ TP_SCRIPT = textwrap.dedent(
     if fail == "slow" and rank == 1:
         flydsl = Arm(3 * {slow})
     h = dataclasses.replace(hooks(), tp_group=lambda: (dist.group.WORLD, rank))
-    router = FlyDSLRouter(Arm({slow}), general_variant(flydsl), h, LOGGER, self_test=False, tune=True, gfx="gfx950")
-    seen = []
+    router = FlyDSLRouter(Arm({slow}), general_variant(flydsl), h, LOGGER, self_test=False, tune=True)
     for batch in (2, 2, 5, 3, 4):
         p = make_paged_problem([60] * batch, next_n=1, heads=64, head_dim=128, block_size=64, preshuffle=True,
                                max_model_len=256)
