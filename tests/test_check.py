@@ -138,11 +138,11 @@ MUTATIONS = {
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     # The router-behaviour cases (tools/behaviour.py): each builds its own router.
-    "tuned table ignored": ("pick = router.pick(q, kv)", "pick = None", "tuned table"),
+    "tuned table ignored": ("pick = router.pick(args, compress_ratio)", "pick = None", "tuned table"),
     # issue 32: the self-test (issue 37: once per shape, FlyDSL itself; issue 43: it replaces the canary).
     "self-test skipped": (
-        "        if untested:\n            problem = self._self_test(",
-        "        if False:\n            problem = self._self_test(",
+        "if untested and self._tested(",
+        "if False and self._tested(",
         "self-test, FlyDSL wrong",
     ),
     "self-test result ignored": (
@@ -151,8 +151,8 @@ MUTATIONS = {
         "self-test, FlyDSL reverses a sequence's rows",
     ),
     "self-test disagreement ignored": (
-        '        if problem is not None:\n            return f"FlyDSL {name}: {problem}"',
-        '        if False:\n            return f"FlyDSL {name}: {problem}"',
+        "if problem := disagreement(result, REAL_KERNEL_TOLERANCE):",
+        "if (problem := disagreement(result, REAL_KERNEL_TOLERANCE)) and False:",
         "self-test, FlyDSL wrong",
     ),
     "self-test without its NaN poison (an unwritten column unseen)": (
@@ -161,8 +161,8 @@ MUTATIONS = {
         "self-test, FlyDSL leaves a column unwritten",
     ),
     "failure disables every shape": (
-        "reason = self.failed.get(shape) or objection(",
-        "reason = next(iter(self.failed.values()), None) or objection(",
+        "or self.failed.get(shape)",
+        "or next(iter(self.failed.values()), None)",
         "self-test, FlyDSL reverses a sequence's rows",
     ),
     "raising shape not remembered as failed": (
@@ -192,8 +192,8 @@ MUTATIONS = {
         "memo: strided cache after contiguous, same shapes",
     ),
     "tuned SplitKV knob ignored by the router": (
-        "max_model_len, cus, pick[2] if pick else 0",
-        "max_model_len, cus, 0",
+        "max_model_len, cu_count(q.device), pick[2] if pick else 0",
+        "max_model_len, cu_count(q.device), 0",
         "tuned table",
     ),
     "tuned SplitKV knob ignored by the launch": (
@@ -202,8 +202,8 @@ MUTATIONS = {
         "tuned table",
     ),
     "a tuned row's backend read inverted": (
-        'if any(backend != "flydsl" for backend, _ in measured):',
-        'if any(backend == "flydsl" for backend, _ in measured):',
+        'if len(backends) > 1 or "gluon" in backends:',
+        'if len(backends) > 1 or "gluon" not in backends:',
         "built-in table (AMD's MI355X rows)",
     ),
     "another gfx's table rows read": ("elif found[0] == gfx:", "elif True:", "tuned table"),
