@@ -296,7 +296,8 @@ def render(
         f"scope:   {arms.label}" + (f" [{arms.why}]" if arms.why else ""),
         found_line(lookup or (None, "not looked up"), arms),
         f"stock:   {paths.label}",
-        "patched: the plugin's router as serving installs it, called from each case's call site"
+        "patched: the plugin's router as serving installs it, with no table (every eligible call), "
+        "from each case's call site"
         + (
             "; its FlyDSL arm is aiter's tuned dispatcher (Gluon or FlyDSL per shape, by aiter's table)"
             if dispatcher
