@@ -51,11 +51,10 @@ def table_rows(path: str) -> list[dict[str, str]]:
 def register(tuned_csv: str) -> object:
     """A fresh ``register()`` with ``VLLM_FLYDSL_INDEXER_TUNED_CSV=tuned_csv`` ('' unsets it)."""
     import vllm_flydsl_indexer
-    from vllm_flydsl_indexer import envs, patch, tuning
+    from vllm_flydsl_indexer import envs, patch
 
     patch.uninstall()
     vllm_flydsl_indexer._registered = False
-    tuning._aiter_table = lambda: None  # the double ships no table: replay exactly the one asked for
     if tuned_csv:
         os.environ[envs.TUNED_CSV] = tuned_csv
     else:
