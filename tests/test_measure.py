@@ -302,3 +302,15 @@ def test_two_tp_ranks_agree_and_none_hangs_when_one_fails(tmp_path, fail, expect
     kinds = {v if v in ("flydsl", "gluon") else "stock" for v in results[0]["verdicts"].values()}
     assert kinds == {expected}, results
     assert all(r["taken"] == (5 if expected == "flydsl" else 0) for r in results)
+
+
+def test_a_problem_over_the_memory_cap_is_not_built_and_stays_stock(cache_root, monkeypatch, plugin_log):
+    """At most MAX_EXTRA_BYTES beyond vLLM's own (q, weights and block tables; the logits are vLLM's
+    workspace): a bucket whose timing problem needs more is refused before anything is allocated."""
+    monkeypatch.setattr(measure, "MAX_EXTRA_BYTES", 2 * 64 * (128 + 4) - 1)  # below batch 2's q and weights
+    stock, flydsl = Arm(SLOW), Arm(FAST)
+    router = make(stock, flydsl)
+    router(*as_args(_problem([50, 60], 1)))
+    assert router.calls_delegated == 1 and flydsl.calls == 0 and stock.calls == 1
+    (warning,) = [r.getMessage() for r in plugin_log if r.levelname == "WARNING"]
+    assert "MemoryError" in warning and "stays stock" in warning
