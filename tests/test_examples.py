@@ -156,7 +156,9 @@ class Sandbox:
             path = bindir / prog
             path.write_text(f"#!{sys.executable}\n{fake}")
             path.chmod(0o755)
-        self.env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS" and k != SWITCH}
+        # A user's environment: not the suite's own default table choice (conftest), nor the switch.
+        dropped = ("VLLM_PLUGINS", SWITCH, "VLLM_FLYDSL_INDEXER_TUNED_CSV")
+        self.env = {k: v for k, v in os.environ.items() if k not in dropped}
         self.env.update(
             PATH=f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}",
             PYTHON=sys.executable,
