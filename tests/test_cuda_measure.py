@@ -69,12 +69,17 @@ def test_the_measurement_times_with_device_events_within_its_bound(monkeypatch):
 
     monkeypatch.setattr(measure.torch.cuda, "Event", Event)
     stock, flydsl = Arm(8), Arm(1)
-    call(router := router_of(stock, flydsl))
-    assert timed and router.calls_taken == 1
-    # One context pair, two candidates: each with an untimed call and a first timed one beyond its share.
-    assert router.spent < measure.BUCKET_BUDGET_S + 0.05, router.spent
+    router = router_of(stock, flydsl)
+    call(router, problem((300,)))  # bucket 1 first: CUDA's and cuBLAS's lazy start-up (the "compilation")
+    spent, timed[:] = router.spent, []
+    call(router)  # bucket 4
+    spent = router.spent - spent
+    assert timed and router.calls_taken == 2
+    # Within the bucket's budget; beyond it only each candidate's untimed and first timed call per context.
+    print(f"bucket 4 measured in {spent * 1e3:.1f} ms, {len(timed)} event timings")
+    assert spent < 1.5 * measure.BUCKET_BUDGET_S, spent
     with open(measure.cache_path(router.gfx, measure.cu_count(torch.device("cuda")))) as f:
-        (row,) = list(csv.DictReader(f))
+        (row,) = [r for r in csv.DictReader(f) if r["batch_size"] == "4"]
     assert row["backend"] == "flydsl" and row["batch_size"] == "4"
     assert float(row["gluon_us"]) > 3 * float(row["flydsl_us"]), row  # 8 products against 1
 
