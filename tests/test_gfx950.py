@@ -131,3 +131,29 @@ def test_the_self_test_passes_on_real_kernels():
     proc = run([sys.executable, "-c", code], real_env(**{envs.SWITCH: "1"}))
     assert proc.returncode == 0 and "END_TO_END_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
     assert "self-test failed" not in proc.stdout + proc.stderr
+
+
+def test_tune_measures_deepseek_v32_buckets_once_and_caches_them(tmp_path):
+    """Issue 44 for real: DeepSeek-V3.2's 64 heads have no table row, so `tune --model` times stock against
+    aiter's FlyDSL kernels on this GPU, caches one aiter-format row per bucket, and a second run measures
+    nothing."""
+    import csv
+
+    from vllm_flydsl_indexer.tools.tune_model import CACHED, MEASURED
+
+    env = real_env(VLLM_CACHE_ROOT=str(tmp_path))
+    env.pop(envs.TUNED_CSV, None)
+    args = [sys.executable, "-m", "vllm_flydsl_indexer", "tune", "--model", "deepseek-ai/DeepSeek-V3.2"]
+    first = run([*args, "--max-batch", "4"], env)
+    assert first.returncode == 0, first.stdout + first.stderr[-4000:]
+    assert first.stdout.count(MEASURED) == 3, first.stdout  # buckets 1, 2 and 4 at next_n 1
+    (path,) = (tmp_path / "flydsl_indexer").glob("paged_mqa_logits_gfx950_*cu_*.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(int(r["batch_size"]) for r in rows) == [1, 2, 4] and {r["heads"] for r in rows} == {"64"}
+    assert all(
+        r["backend"] in ("gluon", "flydsl", "flydsl_gfx950") and float(r["gluon_us"]) > 0 for r in rows
+    )
+    second = run([*args, "--max-batch", "4"], env)
+    assert second.returncode == 0 and second.stdout.count(CACHED) == 3, second.stdout
+    assert MEASURED not in second.stdout
