@@ -1,11 +1,18 @@
 # SPDX-License-Identifier: Apache-2.0
-"""This node's measurement on a real GPU (issue 44): device events, the per-bucket bound, and never a
-measurement inside ``torch.cuda.graph`` capture. FlyDSL does not run here, so the arms are stand-ins of
-known relative speed (matrix products), as the issue allows. Needs no vLLM."""
+"""This node's measurement on a real GPU (issues 44, 49): it times what serving replays, never the host.
+
+FlyDSL does not run here, so the arms are stand-ins whose host cost (a busy wait per launch) and GPU cost
+(``torch.cuda._sleep``) are set, as issue 49 asks. The truth is each arm's time as a replayed graph runs
+it, taken with many more replays than the measurement's; the verdict must follow it in every trial.
+Needs no vLLM.
+"""
 
 from __future__ import annotations
 
-import csv
+import json
+import os
+import statistics
+import time
 
 import pytest
 import torch
@@ -20,84 +27,165 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or HIP GPU"),
 ]
 MML = 32768
+TRIALS = 10
+# (name, (stock host us, stock GPU us), (candidate host us, candidate GPU us)): issue 49's cases.
+CASES = [
+    ("host-heavy stock, GPU-heavier candidate", (20, 4), (6, 5)),
+    ("host-heavy stock, GPU-heavier candidate, 10 us", (20, 10), (6, 12)),
+    ("equal hosts, GPU-heavier candidate", (15, 4), (15, 5)),
+    ("host-light stock, host-heavy GPU-lighter candidate", (5, 40), (25, 38)),
+    ("the reverse: host-light GPU-heavier stock", (6, 5), (20, 4)),
+    ("a near tie: the candidate 2% slower on the GPU", (10, 10), (10, 10.2)),
+]
+IDENTICAL_TRIALS = 30
+
+
+@pytest.fixture(scope="module")
+def cycles_per_us() -> float:
+    """``torch.cuda._sleep``'s cycles per microsecond on this GPU, from a replayed graph."""
+    cycles, graph = 200_000, torch.cuda.CUDAGraph()
+    torch.cuda._sleep(cycles)
+    with torch.cuda.graph(graph):
+        torch.cuda._sleep(cycles)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return cycles / statistics.median(times)
 
 
 class Arm:
-    """``products`` matrix products of 1024x1024 per call: a capturable stand-in of known cost."""
+    """A launch that costs the host ``host_us`` (a busy wait) and the GPU ``gpu_us``; ``capturable`` False
+    raises inside graph capture, as a kernel that cannot be captured."""
 
-    def __init__(self, products: int):
-        self.products, self.calls = products, 0
-        self.a = torch.randn(1024, 1024, device="cuda")
+    def __init__(self, host_us: float, gpu_us: float, rate: float, capturable: bool = True):
+        self.host, self.cycles, self.capturable, self.calls = (
+            host_us * 1e-6,
+            int(gpu_us * rate),
+            capturable,
+            0,
+        )
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
-        x = self.a
-        for _ in range(self.products):
-            x = x @ self.a
-        return x
+        if not self.capturable and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("this stand-in cannot be captured")
+        end = time.perf_counter() + self.host
+        while time.perf_counter() < end:
+            pass
+        torch.cuda._sleep(self.cycles)
 
 
-def router_of(stock, flydsl):
+def replayed_us(arm: Arm, calls: int = 20, replays: int = 15) -> float:
+    """The truth: ``arm``'s microseconds per call as a replayed graph runs it."""
+    arm()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            arm()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(replays):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def eager_us(arm: Arm, calls: int = 20) -> float:
+    """What issue 44's measurement timed: back-to-back Python launches between two events."""
+    arm()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        arm()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def verdict(stock: Arm, candidate: Arm) -> str:
     buffer = torch.full((64, MML), float("nan"), device="cuda")
-    return FlyDSLRouter(stock, general_variant(flydsl), hooks(buffer), LOGGER, self_test=False, tune=True)
-
-
-def problem(lens=(300, 5000, 70, 900)):
-    return make_paged_problem(
-        list(lens), next_n=1, heads=64, head_dim=128, block_size=64, preshuffle=True, max_model_len=MML,
-        device="cuda",
+    router = FlyDSLRouter(
+        stock, general_variant(candidate), hooks(buffer), LOGGER, self_test=False, tune=True
+    )
+    p = make_paged_problem(
+        [300, 5000, 70, 900], next_n=1, heads=64, head_dim=128, block_size=64, preshuffle=True,
+        max_model_len=MML, device="cuda",
     )  # fmt: skip
-
-
-def call(router, p=None):
-    p = p or problem()
-    return router(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
+    pick = router.decide((p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, MML), 1)
+    return pick[0] if isinstance(pick, tuple) else "stock"
 
 
 @pytest.fixture(autouse=True)
 def cache_root(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setattr(measure, "cache_key", lambda *a: None)  # every trial measures
 
 
-def test_the_measurement_times_with_device_events_within_its_bound(monkeypatch):
-    timed = []
-
-    class Event(torch.cuda.Event):
-        def elapsed_time(self, end):
-            timed.append(super().elapsed_time(end))
-            return timed[-1]
-
-    monkeypatch.setattr(measure.torch.cuda, "Event", Event)
-    stock, flydsl = Arm(8), Arm(1)
-    router = router_of(stock, flydsl)
-    call(router, problem((300,)))  # bucket 1 first: CUDA's and cuBLAS's lazy start-up (the "compilation")
-    spent, timed[:] = router.spent, []
-    call(router)  # bucket 4
-    spent = router.spent - spent
-    assert timed and router.calls_taken == 2
-    # Within the bucket's budget; beyond it only each candidate's untimed and first timed call per context.
-    print(f"bucket 4 measured in {spent * 1e3:.1f} ms, {len(timed)} event timings")
-    assert spent < 1.5 * measure.BUCKET_BUDGET_S, spent
-    with open(measure.cache_path(router.gfx, measure.cu_count(torch.device("cuda")))) as f:
-        (row,) = [r for r in csv.DictReader(f) if r["batch_size"] == "4"]
-    assert row["backend"] == "flydsl" and row["batch_size"] == "4"
-    assert float(row["gluon_us"]) > 3 * float(row["flydsl_us"]), row  # 8 products against 1
+def _record(name: str, rows: list) -> None:
+    out = os.environ.get("VLLM_FLYDSL_INDEXER_RESULTS")
+    if out:
+        with open(os.path.join(out, f"{name}.json"), "a") as f:
+            f.write(json.dumps(rows) + "\n")
 
 
-def test_a_bucket_first_seen_in_capture_stays_stock_until_an_eager_call_measures_it():
-    stock, flydsl = Arm(8), Arm(1)
-    router = router_of(stock, flydsl)
+@pytest.mark.parametrize(("name", "stock_cost", "candidate_cost"), CASES, ids=[c[0] for c in CASES])
+def test_the_verdict_follows_graph_replay_in_every_trial(cycles_per_us, name, stock_cost, candidate_cost):
+    stock, candidate = Arm(*stock_cost, cycles_per_us), Arm(*candidate_cost, cycles_per_us)
+    truth_stock, truth_candidate = replayed_us(stock), replayed_us(candidate)
+    truth = "flydsl" if truth_candidate * measure.MARGIN <= truth_stock else "gluon"
+    eager = "flydsl" if eager_us(candidate) * measure.MARGIN <= eager_us(stock) else "gluon"
+    verdicts = [verdict(stock, candidate) for _ in range(TRIALS)]
+    row = {"case": name, "stock": stock_cost, "candidate": candidate_cost, "truth": truth,
+           "replay_us": [round(truth_stock, 2), round(truth_candidate, 2)], "eager_launches_pick": eager,
+           "verdicts": verdicts}  # fmt: skip
+    print(json.dumps(row))
+    _record("verdicts", row)
+    assert verdicts == [truth] * TRIALS, row
+
+
+def test_identical_arms_are_never_picked(cycles_per_us):
+    stock, candidate = Arm(10, 10, cycles_per_us), Arm(10, 10, cycles_per_us)
+    verdicts = [verdict(stock, candidate) for _ in range(IDENTICAL_TRIALS)]
+    _record("identical", {"trials": IDENTICAL_TRIALS, "picked": verdicts.count("flydsl")})
+    print(f"identical arms: candidate picked {verdicts.count('flydsl')} of {IDENTICAL_TRIALS}")
+    assert verdicts.count("flydsl") == 0, verdicts
+
+
+def test_a_candidate_that_will_not_capture_is_timed_queued_behind_the_device(cycles_per_us):
+    """No graph: its launches wait behind a device-side delay, so a host-heavy, GPU-light candidate is
+    timed by its GPU cost (5 us), not the host's rate (30 us a launch)."""
+    stock, candidate = Arm(2, 20, cycles_per_us), Arm(30, 5, cycles_per_us, capturable=False)
+    assert verdict(stock, candidate) == "flydsl" and candidate.calls > measure.ROUNDS
+
+
+def test_a_bucket_first_seen_in_capture_stays_stock_until_an_eager_call_measures_it(cycles_per_us):
+    stock, flydsl = Arm(5, 40, cycles_per_us), Arm(5, 5, cycles_per_us)
+    buffer = torch.full((64, MML), float("nan"), device="cuda")
+    router = FlyDSLRouter(stock, general_variant(flydsl), hooks(buffer), LOGGER, self_test=False, tune=True)
+    p = make_paged_problem(
+        [300, 5000, 70, 900], next_n=1, heads=64, head_dim=128, block_size=64, preshuffle=True,
+        max_model_len=MML, device="cuda",
+    )  # fmt: skip
+    args = (p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, MML)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        Arm(1)()
+        stock()
     torch.cuda.current_stream().wait_stream(side)
-    graph, p = torch.cuda.CUDAGraph(), problem()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        call(router, p)
-    assert stock.calls == 1 and flydsl.calls == 0, "no measurement in capture: stock's own call only"
+        router(*args)
+    assert stock.calls == 2 and flydsl.calls == 0, "no measurement in capture: stock's own call only"
     assert router.verdicts == {} and router.spent == 0 and router.routes == {}
     graph.replay()
     torch.cuda.synchronize()
-    call(router, p)
-    assert router.spent > 0 and router.calls_taken == 1 and flydsl.calls > 2
+    router(*args)
+    assert router.spent > 0 and router.calls_taken == 1 and flydsl.calls > measure.ROUNDS

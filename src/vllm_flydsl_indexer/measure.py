@@ -1,17 +1,28 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Never FlyDSL blind: a bucket no table covers is timed on this GPU once, agreed by the TP group, cached.
+"""Never FlyDSL blind: a bucket no table covers is timed on this GPU, as serving runs it, and cached.
 
-* **When:** at a bucket's first eager call (a tuned-CSV row's key, the batch's power-of-two floor), as the
-  router's last rule (:func:`verdict`); a bucket first seen in graph capture stays stock, unmemoised.
-* **What:** stock, the router's FlyDSL launch and aiter's ``_gfx950`` entry where it fits (each self-tested
-  first), on one problem: ``bucket`` sequences at AMD's tuner contexts (clamped to ``max_model_len``: how the
-  CPU simulation shrinks it) over the live cache's pages, fresh q and weights, logits in vLLM's workspace.
-  Device events (wall clock on CPU), one untimed call then repeats within a share of :data:`BUCKET_BUDGET_S`.
-* **One verdict per TP group:** every rank enters one all-reduce (MAX, vLLM's TP CPU group) per bucket,
-  whatever it holds (cached or measured figures, or +inf): the slowest rank counts, a missing stock figure
-  keeps stock, FlyDSL must win by :data:`MARGIN`.
-* **Cached** as tuned-CSV rows under vLLM's cache root, one file per gfx, CUs, aiter and flydsl, written by
-  rank 0 under a lock and atomically; a corrupt or foreign file gets one WARNING and is rewritten.
+* **When:** at a bucket's first eager call before vLLM serves (a tuned-CSV row's key, the batch's power-of-two
+  floor). A bucket first seen in graph capture stays stock, unmemoised; one first seen once vLLM serves
+  (its workspace locked after capture) stays stock with one INFO line naming ``tune --model``.
+* **What is timed** (:func:`figures`): stock and each FlyDSL route (self-tested first) on one problem,
+  ``bucket`` sequences at AMD's tuner contexts clamped to ``max_model_len`` over the live cache's pages, q
+  and weights from a private generator, logits in vLLM's workspace. On a GPU each candidate, after its
+  untimed first call (the compile), is captured as a graph of :data:`GRAPH_CALLS` calls and its replays are
+  timed with device events: no launcher cost, as vLLM replays decode. A candidate that will not capture
+  is queued behind a device-side delay, so its launches wait for the device, not the host. The CPU
+  simulation has neither and times the wall clock. :data:`ROUNDS` rounds interleave the candidates; a
+  round's figure is each candidate's time over stock's (geomean over the contexts), and the verdict is on
+  the median round, which with an odd count holds the margin only where most rounds do.
+* **One unit:** what a rank brings to the TP group's agreement (the router's ``_agree``: one MAX, every
+  rank, once per call signature) is each candidate's time over stock's, ``inf`` for none; a cached row
+  brings its recorded ratio, a table's FlyDSL pick ``1 / MARGIN``. The slowest rank counts, so a cache
+  never outvotes a measurement; FlyDSL must beat stock by :data:`MARGIN`.
+* **Cached per node** (:func:`cache_key`): the device name, gfx, CUs, aiter, flydsl, vLLM, torch and
+  Triton versions and :data:`CACHE_FORMAT`; a row applies only at the contexts it was timed at. A build
+  whose version cannot be read is measured, never cached. Only what this rank measured is written (every
+  rank that measured; a busy lock skips the write), atomically, never through a link; a row whose figures
+  are not positive and finite, contradict its backend or repeat a key with another verdict is corrupt:
+  one WARNING, and the bucket is measured again. A failed or untimed candidate leaves no row.
 """
 
 from __future__ import annotations
@@ -19,10 +30,13 @@ from __future__ import annotations
 import csv
 import fcntl
 import functools
+import hashlib
 import io
 import math
 import os
-import re
+import stat
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,14 +47,24 @@ from vllm_flydsl_indexer.kernels import AITER_DISTRIBUTIONS, cu_count, describe,
 
 CONTEXTS = (8192, 32768)
 MARGIN = 1.03
-BUCKET_BUDGET_S = 0.05
+ROUNDS = 5  # odd: the median round holds the margin only where most rounds do
+GRAPH_CALLS = 4  # calls per captured graph (GPU)
+DELAY_CYCLES = 2_000_000  # the device-side delay ahead of an uncapturable candidate's launches (~1 ms)
 PROCESS_BUDGET_S = 30.0
 MAX_EXTRA_BYTES = 64 * 2**20
+# A peer that has not reached the agreement by then is given up on (the bucket stays stock on this rank);
+# long enough for the slowest rank's first compile, self-test and measurement of the bucket.
+AGREE_TIMEOUT_S = 300.0
 CACHE_DIR = "flydsl_indexer"
-BACKENDS = ("gluon", "flydsl", tuning.ENTRY)
+CACHE_FORMAT = 2
+KEY_PREFIX = f"{tuning.COMMENT} vllm-flydsl-indexer node cache keyed on: "  # a cache file's first line
+BACKENDS = ("flydsl", tuning.ENTRY)  # the candidates, in the order of a rank's ratios
+NONE = [math.inf, math.inf]  # no candidate: stock
+TOLERANCE = 1e-3  # a cached figure's rounding
 # Why a bucket stays stock; IN_CAPTURE is not memoised (an eager call decides the bucket later).
 NOT_MEASURED = "not yet measured on this GPU: stock"
 IN_CAPTURE = f"{NOT_MEASURED} (first seen in graph capture)"
+SERVING = f"{NOT_MEASURED} (first seen once vLLM serves; `vllm-flydsl-indexer tune --model` measures ahead)"
 
 
 def bucket_of(batch: int) -> int:
@@ -48,156 +72,306 @@ def bucket_of(batch: int) -> int:
     return 1 << (max(batch, 1).bit_length() - 1)
 
 
-def cache_path(gfx: str, cus: int) -> Path:
-    """This node's cache file for ``gfx`` with ``cus`` CUs and the installed aiter and flydsl."""
-    versions = f"aiter-{installed_version(AITER_DISTRIBUTIONS)}_flydsl-{installed_version(('flydsl',))}"
-    name = re.sub(r"[^A-Za-z0-9._-]", "_", f"paged_mqa_logits_{gfx}_{cus}cu_{versions}.csv")
-    return envs.cache_root() / CACHE_DIR / name
+def contexts_of(max_model_len: int) -> str:
+    """The contexts a bucket is timed at (AMD's, clamped to ``max_model_len``), as a row's ``context_len``."""
+    return ";".join(map(str, sorted({min(c, max_model_len) for c in CONTEXTS})))
 
 
-def load_cache(path: Path, gfx: str, cus: int, logger) -> tuning.TunedTable:
-    """The node cache's rows; a missing file is empty, a corrupt or foreign one empty with one WARNING."""
-    table = tuning.read(str(path), gfx, "node") if path.exists() else None
-    if isinstance(table, tuning.TunedTable) and not table.skipped and table.cu_counts() == {cus}:
-        return table
-    if table is not None:
-        why = table if isinstance(table, str) else f"{path}: rows the lookup cannot use, or other CU counts"
-        logger.warning("%s node cache ignored (%s); the next measurement rewrites it", envs.HEAD, why)
-    return tuning.TunedTable(str(path), gfx, "node")
+@functools.cache
+def stack_versions() -> dict[str, str]:
+    """What builds the two arms: aiter, flydsl, vLLM, torch and Triton (``unknown`` where unreadable)."""
+    return {
+        "aiter": installed_version(AITER_DISTRIBUTIONS),
+        "flydsl": installed_version(("flydsl",)),
+        "vllm": installed_version(("vllm",)),
+        "torch": torch.__version__,
+        "triton": installed_version(("triton", "pytorch-triton-rocm")),
+    }
 
 
-def write_cache(path: Path, rows: list[dict]) -> None:
-    """Merge ``rows`` into ``path`` (a row of the same key replaced; a corrupt or foreign file replaced
-    whole) under an exclusive lock, through a temporary file and an atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        kept, old = {}, tuning.read(str(path), rows[0]["gfx"], "node") if path.exists() else None
-        if isinstance(old, tuning.TunedTable) and not old.skipped and old.cu_counts() == {rows[0]["cu_num"]}:
-            rows_in = csv.DictReader(io.StringIO(tuning.read_capped(str(path))))  # a cache has no comments
-            kept = {tuple(r.get(c) for c in tuning.KEY_COLUMNS): r for r in rows_in}
-        kept.update({tuple(str(r[c]) for c in tuning.KEY_COLUMNS): r for r in rows})
-        out = io.StringIO()
-        writer = csv.DictWriter(out, tuning.COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        writer.writerows(kept.values())
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(out.getvalue())
-        os.replace(temporary, path)
+def cache_key(device: torch.device, gfx: str, cus: int) -> str | None:
+    """The node cache's key line for this GPU and stack, or ``None`` where a version cannot be read."""
+    versions = stack_versions()
+    if "unknown" in versions.values() and device.type != "cpu":  # the CPU simulation runs none of them
+        return None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    fields = {"format": CACHE_FORMAT, "device": name, "gfx": gfx, "cus": cus, **versions}
+    return KEY_PREFIX + " ".join(f"{k}={v}" for k, v in fields.items())
 
 
-def _time(fn, device: torch.device, share: float) -> float:
-    """Seconds per call of ``fn`` after one untimed call, repeated within ``share`` seconds."""
+def cache_path(gfx: str, cus: int, key: str) -> Path:
+    """The node cache file holding ``key``'s rows."""
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return envs.cache_root() / CACHE_DIR / f"paged_mqa_logits_{gfx}_{cus}cu_{digest}.csv"
+
+
+def _row_verdict(row: dict, gfx: str, cus: int) -> tuple[tuple, tuple[str, float]] | str:
+    """A cached row's ``((shape key, bucket, contexts), (backend, ratio, source))``, or why it is corrupt."""
+    found = tuning.usable_row(row)
+    if found is None or found[0] != gfx or found[1][0] != cus:
+        return "a row the lookup cannot use, or for another GPU"
+    _, key, bucket, backend, _ = found
+    try:
+        us, gluon_us, flydsl_us = (float(row[c]) for c in ("us", "gluon_us", "flydsl_us"))
+    except (KeyError, TypeError, ValueError):
+        return "a row without its figures"
+    if not all(math.isfinite(f) and f > 0 for f in (us, gluon_us, flydsl_us)):
+        return f"figures that are not positive finite times ({us}, {gluon_us}, {flydsl_us})"
+    taken = flydsl_us * MARGIN <= gluon_us * (1 + TOLERANCE)
+    if taken != (backend != "gluon") or not math.isclose(
+        us, flydsl_us if taken else gluon_us, rel_tol=TOLERANCE
+    ):
+        return f"a {backend} row whose figures say otherwise (us {us}, gluon {gluon_us}, flydsl {flydsl_us})"
+    return (key, bucket, row.get("context_len", "")), (backend, flydsl_us / gluon_us, "this node's cache")
+
+
+def _is_private(directory: Path) -> str | None:
+    """Why ``directory`` may not hold the cache (not ours, or writable by others), else ``None``."""
+    info = os.lstat(directory)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
+        return f"{directory} is not a directory of this user's that only it can write"
+    return None
+
+
+def load_cache(path: Path, key: str, gfx: str, cus: int) -> tuple[dict, list[str]]:
+    """The node cache's verdicts ``{(shape key, bucket, contexts): (backend, ratio, source)}`` and what is wrong
+    with it (each a WARNING); a missing file is empty. Never raises."""
+    try:
+        if not path.parent.exists() and not os.path.lexists(path):
+            return {}, []
+        if why := _is_private(path.parent):
+            return {}, [why]
+        if not os.path.lexists(path):
+            return {}, []
+        if stat.S_ISLNK(os.lstat(path).st_mode):
+            return {}, [f"{path} is a symbolic link"]
+        text = tuning.read_capped(str(path))
+    except Exception as e:  # noqa: BLE001 - an unreadable cache is no cache
+        return {}, [f"{path}: {type(e).__name__}: {e}"]
+    head, _, body = text.partition("\n")
+    if head != key:
+        return {}, [f"{path} is keyed on another stack ({head[:200]!r})"]
+    found, corrupt, problems = {}, set(), []
+    for number, row in enumerate(csv.DictReader(io.StringIO(body)), 3):
+        verdict = _row_verdict(row, gfx, cus)
+        if isinstance(verdict, str):
+            problems.append(f"{path} line {number}: {verdict}")
+        elif found.get(verdict[0], verdict[1])[0] != verdict[1][0]:
+            corrupt.add(verdict[0])
+            problems.append(f"{path} line {number}: a second row of its key with another verdict")
+        else:
+            found[verdict[0]] = verdict[1]
+    return {k: v for k, v in found.items() if k not in corrupt}, problems
+
+
+def write_cache(path: Path, key: str, rows: list[dict]) -> str | None:
+    """Merge ``rows`` into ``path`` (a row of the same key and contexts replaced, corrupt rows dropped)
+    under a lock, through a private temporary file and an atomic rename; why it was not written, or
+    ``None``. A lock that is busy skips the write: the verdict stands, the next process measures again."""
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if why := _is_private(path.parent):
+            return why
+        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        with os.fdopen(os.open(path.with_suffix(".lock"), flags, 0o600), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return "another process holds its lock"
+            gfx, cus = rows[0]["gfx"], int(rows[0]["cu_num"])
+            old, _ = load_cache(path, key, gfx, cus)
+            kept = {}
+            if old and not stat.S_ISLNK(os.lstat(path).st_mode):
+                for row in csv.DictReader(io.StringIO(tuning.read_capped(str(path)).partition("\n")[2])):
+                    verdict = _row_verdict(row, gfx, cus)
+                    if not isinstance(verdict, str) and verdict[0] in old:
+                        kept[verdict[0]] = row
+            kept.update({_row_verdict(r, gfx, cus)[0]: r for r in rows})
+            out = io.StringIO()
+            out.write(key + "\n")
+            writer = csv.DictWriter(out, tuning.COLUMNS, extrasaction="ignore", lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(kept.values())
+            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+            try:
+                with os.fdopen(handle, "w") as f:
+                    f.write(out.getvalue())
+                os.replace(temporary, path)  # a link in the way is replaced, never followed
+            except BaseException:
+                os.unlink(temporary)
+                raise
+    except Exception as e:  # noqa: BLE001 - the verdict stands; the next process measures again
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _sampler(fn, device: torch.device):
+    """``fn`` as serving runs it: after one untimed call, a function giving seconds per call."""
     fn()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+    if device.type != "cuda":  # the CPU simulation: no device, no graph, the wall clock of one call
 
-    def run(n: int) -> float:
-        began = time.perf_counter()
-        if events:
-            events[0].record()
-        for _ in range(n):
+        def wall() -> float:
+            began = time.perf_counter()
             fn()
-        if events:
-            events[1].record()
-            events[1].synchronize()
-            return events[0].elapsed_time(events[1]) / 1e3 / n
-        return (time.perf_counter() - began) / n
+            return time.perf_counter() - began
 
-    once = run(1)
-    repeats = int((share - once) // max(once, 1e-9))
-    return run(repeats) if repeats > 0 else once
+        return wall
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    try:
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                for _ in range(GRAPH_CALLS):
+                    fn()
+            finally:
+                graph.capture_end()
+    except Exception:  # noqa: BLE001 - a candidate that will not capture is timed queued behind a delay
+        graph = None
+    torch.cuda.current_stream(device).wait_stream(side)
+    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+
+    def replay() -> float:
+        if graph is None:
+            torch.cuda._sleep(DELAY_CYCLES)  # the launches below queue behind it: device time, not host
+        start.record()
+        if graph is not None:
+            graph.replay()
+        else:
+            for _ in range(GRAPH_CALLS):
+                fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / GRAPH_CALLS
+
+    return replay
 
 
-def measure(router, args: tuple, compress_ratio: int, bucket: int, routes: list) -> list[float]:
-    """Seconds per call of stock and of each FlyDSL route (``None``: no figure, ``inf``) on one problem."""
+def summarise(samples: list[list[list[float]]]) -> tuple[float, list[float]]:
+    """``samples[round][context]``: each arm's seconds, stock first. Stock's median time (geomean over the
+    contexts) and each candidate's median round of its time over stock's."""
+
+    def geomean(values) -> float:
+        return math.exp(statistics.fmean(map(math.log, values)))
+
+    stock = statistics.median(geomean(c[0] for c in r) for r in samples)
+    arms = len(samples[0][0])
+    return stock, [
+        statistics.median(geomean(c[i] / c[0] for c in r) for r in samples) for i in range(1, arms)
+    ]
+
+
+def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list) -> tuple[float, list[float]]:
+    """Stock's seconds per call and each route's time over stock's (``inf`` where ``None``) on one problem."""
     q, kv, _, lens, _, _, max_model_len = args
     _, next_n, heads, head_dim = q.shape
     block_size, device, rows = kv.shape[1], q.device, bucket * next_n
-    most = -(-min(max(CONTEXTS), max_model_len) // block_size)
+    contexts = [int(c) for c in contexts_of(max_model_len).split(";")]
+    most = -(-contexts[-1] // block_size)
     if rows * heads * (head_dim + 4) + bucket * most * 4 > MAX_EXTRA_BYTES:
         raise MemoryError(f"the timing problem needs more than {MAX_EXTRA_BYTES >> 20} MiB")
-    qb = torch.randint(1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device)
-    wb = torch.rand(rows, heads, device=device)
-    share = BUCKET_BUDGET_S / (1 + sum(r is not None for r in routes)) / len(CONTEXTS)
-    figures: list[list[float]] = [[] for _ in range(len(routes) + 1)]
-    for context in sorted({min(c, max_model_len) for c in CONTEXTS}):
+    rng = torch.Generator(device=device).manual_seed(bucket)  # never the global or device default
+    qb = torch.randint(
+        1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device, generator=rng
+    )
+    wb = torch.rand(rows, heads, device=device, generator=rng)
+    timed = [i for i, r in enumerate(routes) if r is not None]
+    samplers = []
+    for context in contexts:
         pages = -(-context // block_size)
         tables = torch.arange(bucket * pages, device=device, dtype=torch.int32).remainder_(kv.shape[0])
         ends = torch.arange(1 - next_n, 1, dtype=torch.int32, device=device).add_(context).repeat(bucket, 1)
         bounds = ends if lens.dim() == 2 else ends[:, -1].contiguous()
         problem = (qb.view(q.dtype), kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
-        stock = functools.partial(router.original, *problem, compress_ratio=compress_ratio)
-        figures[0].append(_time(stock, device, share))
         out = router.hooks.output_buffer(rows, max_model_len)
-        for i, route in enumerate(routes, 1):
-            if route is not None:
-                launch = functools.partial(
-                    router._flydsl, route.fn or router.variant.fn, route.kwargs, problem, out
-                )
-                figures[i].append(_time(launch, device, share))
-    return [math.exp(sum(map(math.log, f)) / len(f)) if f else math.inf for f in figures]
+        arms = [functools.partial(router.original, *problem, compress_ratio=compress_ratio)]
+        for i in timed:
+            route = routes[i]
+            arms.append(
+                functools.partial(router._flydsl, route.fn or router.variant.fn, route.kwargs, problem, out)
+            )
+        samplers.append([_sampler(arm, device) for arm in arms])
+    samples = []
+    for r in range(ROUNDS):  # interleaved, each round in another order
+        samples.append([[0.0] * len(arms) for _ in contexts])
+        for c, per_context in enumerate(samplers):
+            for i in (*range(r % len(arms), len(arms)), *range(r % len(arms))):
+                samples[-1][c][i] = per_context[i]()
+    stock, ratios = summarise(samples)
+    out = list(NONE)
+    for i, ratio in zip(timed, ratios, strict=True):
+        out[i] = ratio
+    return stock, out
 
 
-def _failed(router, what: str, error: Exception) -> list[float]:
-    router.logger.warning("%s %s raised %s: %s; it stays stock", envs.HEAD, what, type(error).__name__, error)
-    return [math.inf] * 3
+def settle(ratios: list[float]) -> str | None:
+    """The candidate the (agreed) ratios take, or ``None`` for stock: the faster one, beating stock by
+    :data:`MARGIN`."""
+    best = min(range(len(BACKENDS)), key=lambda i: ratios[i])
+    return BACKENDS[best] if ratios[best] * MARGIN <= 1 + 1e-9 else None
 
 
-def verdict(router, args: tuple, compress_ratio: int, routes: list) -> tuple | str:
-    """The bucket's ``(backend, bucket, wg_per_cu, conflict, source)``, or why it stays stock. ``routes``:
-    the general FlyDSL launch and the ``_gfx950`` entry's (``None`` where it does not apply)."""
-    q, kv = args[0], args[1]
+def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple | str, list[float]]:
+    """This rank's verdict on a bucket no table covers, from this node's cache or a measurement, and the
+    ratios it brings to the agreement. Never raises and never a collective. ``routes``: the general FlyDSL
+    launch and the ``_gfx950`` entry's (``None`` where it does not apply)."""
+    q, kv, max_model_len = args[0], args[1], args[6]
     batch, next_n, heads, head_dim = q.shape
-    cus, bucket, shape = cu_count(q.device), bucket_of(batch), (heads, head_dim, kv.shape[1], next_n)
+    bucket, shape, cus = bucket_of(batch), (heads, head_dim, kv.shape[1], next_n), cu_count(q.device)
     key = (cus, next_n, heads, head_dim, kv.shape[1])
-    if (key, bucket) in router.verdicts:
-        return router.verdicts[key, bucket]
-    if router.is_capturing():
-        return IN_CAPTURE
-    if router.node is None:
-        router.node = load_cache(cache_path(router.gfx, cus), router.gfx, cus, router.logger)
-    cached = router.node.shapes.get(key, {}).get(bucket)
-    if cached is None and not router.tune:
-        return f"{NOT_MEASURED} ({envs.TUNE}=0)"
-    figures, (group, rank) = [math.inf] * 3, router.hooks.tp_group()
+    rank0, name = router.hooks.tp_group()[1] == 0, f"{describe(shape)} batch {bucket}"
     try:
-        if cached is not None:  # the cached winner wins again, by the margin
-            figures = [1.0, *(1 / MARGIN if (b, 0) in cached else math.inf for b in BACKENDS[1:])]
-        elif shape not in router.failed and router.spent < PROCESS_BUDGET_S:
-            began = time.perf_counter()
-            routes = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
-            figures = measure(router, args, compress_ratio, bucket, routes)
-            router.spent += time.perf_counter() - began
+        if router.node is None:
+            stack = cache_key(q.device, router.gfx, cus)
+            path = cache_path(router.gfx, cus, stack) if stack else None
+            router.node = (path, stack, *(load_cache(path, stack, router.gfx, cus) if path else ({}, [])))
+            if router.node[3] and rank0:
+                lines = "; ".join(router.node[3][:3]) + ("; ..." if len(router.node[3]) > 3 else "")
+                router.logger.warning("%s node cache: %s; those buckets are measured again", envs.HEAD, lines)
+        if router.failed.get(shape):
+            return router.failed[shape], list(NONE)
+        cached = router.node[2].get((key, bucket, contexts_of(max_model_len)))
+        if cached is not None:  # read from the file, or measured by this process
+            backend, ratio, source = cached
+            return (backend, bucket, 0, None, source), [ratio if b == backend else math.inf for b in BACKENDS]
+        if not router.tune:
+            return f"{NOT_MEASURED} ({envs.TUNE}=0)", list(NONE)
+        if router.hooks.serving():
+            return SERVING, list(NONE)
+        if router.spent >= PROCESS_BUDGET_S:
+            return (
+                f"{NOT_MEASURED} (the process's {PROCESS_BUDGET_S:.0f} s measurement budget is spent)",
+                list(NONE),
+            )
+        began = time.perf_counter()
+        tested = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
+        stock, ratios = figures(router, args, compress_ratio, bucket, tested)
+        router.spent += time.perf_counter() - began
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
-        figures = _failed(router, f"measuring {describe(shape)} batch {bucket}", e)
-    if group is not None:  # every rank gets here once per bucket, whatever it holds
-        try:
-            reduced = torch.tensor(figures, dtype=torch.float64)
-            torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX, group=group)
-            figures = reduced.tolist()
-        except Exception as e:  # noqa: BLE001
-            figures = _failed(router, f"agreeing on {describe(shape)} batch {bucket} across the TP group", e)
-    best = min((1, 2), key=lambda i: figures[i])
-    taken = figures[0] < math.inf and figures[best] * MARGIN <= figures[0]
-    source = "this node's measurement" if cached is None else "this node's cache"
-    pick = (BACKENDS[best] if taken else "gluon", bucket, 0, None, source)
-    router.verdicts[key, bucket] = pick if figures[0] < math.inf else f"{NOT_MEASURED} (no figures)"
-    if cached is None and figures[0] < math.inf:
-        us = [round(f * 1e6, 2) for f in figures]
-        contexts = ";".join(map(str, sorted({min(c, args[6]) for c in CONTEXTS})))  # as timed (clamped)
+        router.logger.warning(
+            "%s measuring %s raised %s: %s; it stays stock", envs.HEAD, name, type(e).__name__, e
+        )
+        return f"{NOT_MEASURED} (the measurement raised {type(e).__name__})", list(NONE)
+    pick = settle(ratios)
+    if rank0:
+        us = ", ".join(
+            f"{b} {stock * r * 1e6:.2f} us" for b, r in zip(BACKENDS, ratios, strict=True) if r < math.inf
+        )
+        line = (
+            f"measured {name} on this GPU (gluon {stock * 1e6:.2f} us, {us}; median of {ROUNDS} graph rounds)"
+        )
+        router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick or "gluon")
+    complete = all((r is None) == (f == math.inf) for r, f in zip(routes, ratios, strict=True))
+    source = "this node's measurement"
+    if complete and min(ratios) < math.inf:  # every candidate timed: the bucket's other batches reuse it
+        router.node[2][key, bucket, contexts_of(max_model_len)] = (pick or "gluon", min(ratios), source)
+    if router.node[0] is not None and complete and min(ratios) < math.inf:
+        us, ratio = stock * 1e6, min(ratios)
         row = dict(zip(tuning.COLUMNS, (
-            router.gfx, cus, bucket, *key[1:], key[4] > 1, contexts, pick[0], 0, 0, 0,
-            us[best] if taken else us[0], us[0], min(us[1:]),
+            router.gfx, cus, bucket, *key[1:], key[4] > 1, contexts_of(max_model_len), pick or "gluon",
+            0, 0, 0, round(us * ratio if pick else us, 4), round(us, 4), round(us * ratio, 4),
         ), strict=True))  # fmt: skip
-        router.node.shapes.setdefault(key, {})[bucket] = [(pick[0], 0)]
-        router.node._picks.clear()
-        timings = ", ".join(f"{b} {u} us" for b, u in zip(BACKENDS, us, strict=True) if u < math.inf)
-        line = f"measured {describe(shape)} batch {bucket} on this GPU ({timings}; slowest rank): {pick[0]}"
-        router.logger.info("%s %s", envs.HEAD, line)
-        try:
-            if rank == 0:
-                write_cache(Path(router.node.name), [row])
-        except Exception as e:  # noqa: BLE001 - the verdict stands; the next process measures again
-            line = f"node cache {router.node.name} not written: {type(e).__name__}: {e}"
-            router.logger.warning("%s %s", envs.HEAD, line)
-    return router.verdicts[key, bucket]
+        why = write_cache(router.node[0], router.node[1], [row])
+        if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
+            router.logger.warning("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
+    return (pick or "gluon", bucket, 0, None, source), ratios

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 
@@ -59,7 +61,8 @@ def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
 def objection(
     router: FlyDSLRouter, args: tuple, compress_ratio: int, caller: str | None, dcp: int
 ) -> str | None:
-    """The rules in order: why this call stays stock, or ``None``; reasons name shapes, not batches."""
+    """The rules in order: why this call stays stock, or ``None``; reasons name shapes, not batches. They
+    read the call's shapes and the plugin's start-up state, the same on every rank of a TP group."""
     q, kv, w, lens, bt, _, _ = args
     variant, block_size = router.variant, kv.shape[1]
     reason = router.hooks.gluon_objection(compress_ratio, block_size)
@@ -101,9 +104,15 @@ def objection(
     if variant.dispatch_objection is not None:
         # Where aiter's dispatcher picks Gluon it would re-tune Gluon's knobs: vLLM's original runs instead.
         return variant.dispatch_objection(args, block_size > 1)
-    pick = router.pick(args, compress_ratio)
+    return None
+
+
+def pick_objection(router: FlyDSLRouter, pick: tuple | str | None, args: tuple) -> str | None:
+    """Why the agreed ``pick`` (:meth:`FlyDSLRouter.decide`) keeps this call on stock, or ``None``."""
     if pick is None or isinstance(pick, str):
         return pick
+    q, kv, w, lens, bt, _, _ = args
+    variant = router.variant
     backend, bucket, wg_per_cu, conflict, where = pick
     shape, kernel = describe(shape_of(q, kv)), variant.entry if backend == ENTRY else variant
     if backend == "gluon":
@@ -209,9 +218,25 @@ class FlyDSLRouter:
             compress_ratio=compress_ratio,
         )  # fmt: skip
 
-    def pick(self, args: tuple, compress_ratio: int) -> tuple | str | None:
-        """``(backend, bucket, wg_per_cu, conflict, source)`` from the table (dropped, with one line, if none
-        of its rows are for this CU count), else this node's measurement; a reason; ``None``: no table."""
+    def decide(self, args: tuple, compress_ratio: int) -> tuple | str | None:
+        """The verdict on this call's signature, ``(backend, bucket, wg_per_cu, conflict, source)`` or why
+        stock (``None``: no table, FlyDSL wherever eligible), decided once at its first eager call: this
+        rank's (:meth:`_local`), then agreed across the TP group (:meth:`_agree`, the one collective)."""
+        q, kv, _, lens, _, _, max_model_len = args
+        signature = (q.shape, kv.shape[1:], lens.dim(), max_model_len, compress_ratio)
+        if signature not in self.verdicts:
+            group, capturing = self.hooks.tp_group()[0], self.is_capturing()
+            if capturing and group is not None:  # no collective inside capture: an eager call agrees later
+                return measure.IN_CAPTURE
+            local, ratios = self._local(args, compress_ratio, capturing)
+            if local == measure.IN_CAPTURE:
+                return local
+            self.verdicts[signature] = local if group is None else self._agree(group, local, ratios)
+        return self.verdicts[signature]
+
+    def _local(self, args: tuple, compress_ratio: int, capturing: bool) -> tuple[tuple | str | None, list]:
+        """This rank's verdict and the ratios it brings to the agreement: the table's (dropped, with one
+        line, if none of its rows are for this CU count), else this node's cache or measurement."""
         q, kv, w, lens, bt, _, max_model_len = args
         table, cus = self.table, cu_count(q.device)
         if table is not None and cus not in table.cu_counts():
@@ -225,17 +250,45 @@ class FlyDSLRouter:
         batch, next_n, heads, head_dim = q.shape
         pick = table.choice(cus, batch, next_n, heads, head_dim, kv.shape[1]) if table is not None else None
         if pick is not None:
-            return (*pick, f"{table.name} on {table.gfx} with {cus} CUs")
-        if self.tune is None:
-            return None
-        entry, bucket = self.variant.entry, measure.bucket_of(batch)
-        fits = entry is not None and entry.violation(q, kv, w, lens, bt) is None
-        routes = [
-            Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, kv.shape[1], max_model_len, cus),
-                  bounds="(B, next_n)" if lens.dim() == 2 else "(B,)", fn=fn) if ok else None
-            for kernel, fn, ok in ((self.variant, None, True), (entry, entry and entry.fn, fits))
-        ]  # fmt: skip
-        return measure.verdict(self, args, compress_ratio, routes)
+            pick = (*pick, f"{table.name} on {table.gfx} with {cus} CUs")
+        elif self.tune is not None:
+            if capturing:
+                return measure.IN_CAPTURE, measure.NONE
+            entry, bucket = self.variant.entry, measure.bucket_of(batch)
+            fits = entry is not None and entry.violation(q, kv, w, lens, bt) is None
+            bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
+            routes = [
+                Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, kv.shape[1], max_model_len, cus),
+                      bounds=bounds, fn=fn) if ok else None
+                for kernel, fn, ok in ((self.variant, None, True), (entry, entry and entry.fn, fits))
+            ]  # fmt: skip
+            return measure.local(self, args, compress_ratio, routes)
+        # A table's FlyDSL pick (or none: FlyDSL wherever eligible) brings the margin's ratio, stock none.
+        backend = "flydsl" if pick is None else pick[0] if pick[3] is None else "gluon"
+        return pick, [1 / measure.MARGIN if b == backend else math.inf for b in measure.BACKENDS]
+
+    def _agree(self, group, local: tuple | str | None, ratios: list[float]) -> tuple | str | None:
+        """The router's one collective: every rank of the TP group reaches it once per call signature, at
+        its first eager call, whatever it holds (a table, a cache, a measurement, ``TUNE=0``, a failed
+        self-test or measurement: the rules before it read only shapes). One MAX over each candidate's
+        time over stock's (``inf``: not this one), so the slowest rank counts and a cache never outvotes a
+        measurement. The wait is bounded by ``measure.AGREE_TIMEOUT_S``: a rank given up on keeps stock."""
+        try:
+            reduced = torch.tensor(ratios, dtype=torch.float64)
+            work = torch.distributed.all_reduce(
+                reduced, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True
+            )
+            work.wait(timedelta(seconds=measure.AGREE_TIMEOUT_S))
+            taken = measure.settle(reduced.tolist())
+        except Exception as e:  # noqa: BLE001 - no agreement: stock on this rank
+            why = f"the TP group's agreement failed ({type(e).__name__}: {e})"
+            self.logger.warning("%s %s; this batch stays stock", HEAD, why)
+            return f"{measure.NOT_MEASURED} ({why})"
+        if taken is not None:
+            return None if local is None else (taken, *local[1:])
+        if isinstance(local, str) or (local is not None and local[0] == "gluon"):
+            return local
+        return "the TP group keeps stock: on its slowest rank FlyDSL does not beat stock by the margin"
 
     def _flydsl_or_none(
         self, key: tuple, route: Route | None, args: tuple, facts: tuple, compress_ratio: int, caller
@@ -257,13 +310,15 @@ class FlyDSLRouter:
         q, kv, w, lens, bt, _, max_model_len = args
         shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
         facts = facts or call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size())
-        # The rules come first: every rank of a TP group reaches a bucket's measurement, failed shape or not.
-        reason = objection(self, args, compress_ratio, caller, facts[0]) or self.failed.get(shape)
+        reason, pick = objection(self, args, compress_ratio, caller, facts[0]), None
+        if reason is None:  # every rank of a TP group gets here, failed shape or not
+            pick = self.decide(args, compress_ratio)
+            reason = pick_objection(self, pick, args)
+        reason = reason or self.failed.get(shape)
         if reason is not None:
             route = Route(reason)
             self.logger.info_once("%s %s", STOCK_CALL_LINE, reason, scope="process")
         else:
-            pick = self.pick(args, compress_ratio)
             kernel = self.variant.entry if pick and pick[0] == ENTRY else self.variant
             kwargs = kernel.launch_kwargs(
                 q.shape[0], kv.shape[1], max_model_len, cu_count(q.device), pick[2] if pick else 0

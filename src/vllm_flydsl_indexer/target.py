@@ -132,6 +132,7 @@ class StockHooks:
     dcp_world_size: Callable[[], int]
     preshuffle: Callable[[int], bool]  # (block_size): the ``Preshuffle`` the original passes
     tp_group: Callable[[], tuple[object, int]] = lambda: (None, 0)  # TP CPU group (None alone), rank
+    serving: Callable[[], bool] = lambda: False  # vLLM serves: its workspace is locked after capture
 
 
 def _resolve(owner: object, name: str, flag: bool = False):
@@ -187,7 +188,11 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
     else:
         preshuffle = lambda block_size: block_size > 1  # noqa: E731
     lens = _resolve(target, "_per_sequence_context_lens")
-    return StockHooks(gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle, tp_group)
+
+    def serving() -> bool:  # vLLM locks its workspace once warm-up and capture are done
+        return bool(getattr(workspace(), "is_locked", lambda: False)())
+
+    return StockHooks(gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle, tp_group, serving)
 
 
 # Every audited call site: ``None`` where FlyDSL may take ``next_n > 1`` from it (with

@@ -179,7 +179,17 @@ def node_cache_report(environ: dict[str, str] | None) -> dict[str, Any]:
     off = (env.get(envs.TUNED_CSV) or "").strip().lower() in tuning.OFF_VALUES
     tune, error = envs.read_flag(envs.TUNE, env, default=True)
     root = envs.cache_root(env) / measure.CACHE_DIR
-    files = sorted(str(p) for p in root.glob("paged_mqa_logits_*.csv")) if root.is_dir() else []
+    files = []
+    try:
+        paths = sorted(root.glob("paged_mqa_logits_*.csv")) if root.is_dir() else []
+    except OSError:
+        paths = []
+    for path in paths:  # each with what it is keyed on: its first line, as the plugin reads it
+        try:
+            key = tuning.read_capped(str(path)).partition("\n")[0]
+        except Exception as e:  # noqa: BLE001 - doctor never raises
+            key = f"unreadable ({type(e).__name__}: {e})"
+        files.append({"path": str(path), "key": key.removeprefix(measure.KEY_PREFIX)})
     if off:
         decides = f"no table ({envs.TUNED_CSV}=none): FlyDSL wherever eligible, nothing measured"
     elif tune:
@@ -521,6 +531,7 @@ def render(data: dict[str, Any]) -> str:
     out += [
         f"uncovered shapes: {cache['uncovered_shapes']}",
         f"node cache: {cache['dir']} ({len(cache['files'])} file(s))",
+        *(f"  {os.path.basename(f['path'])}: {f['key']}" for f in cache["files"]),
     ]
     layout = data["kv_cache_layout"]
     out += [""] + textwrap.wrap(

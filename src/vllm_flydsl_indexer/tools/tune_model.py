@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """``vllm-flydsl-indexer tune --model M``: this node's measurement, made ahead of serving (issue 44).
 
-The plugin times a bucket no table covers at its first eager call (:func:`measure.verdict`) and caches the
+The plugin times a bucket no table covers at its first eager call (:func:`measure.local`) and caches the
 verdict on the node (:func:`measure.cache_path`). This command makes the same measurement now, for every
 bucket the model will use, so serving starts with every verdict cached:
 
@@ -159,13 +159,6 @@ def _logger() -> logging.Logger:
     return with_once(logger)
 
 
-def _quiet() -> logging.Logger:
-    """A logger that says nothing: the router's own load of the cache warns once, if at all."""
-    logger = logging.getLogger("vllm_flydsl_indexer.tools.tune_model.quiet")
-    logger.propagate, logger.disabled = False, True
-    return logger
-
-
 def _figures(path: str) -> dict[tuple, tuple[float, float]]:
     """``{(cus, batch, next_n, heads, head_dim, KVBlockSize): (us, gluon_us)}`` of a tuned CSV's rows with
     both times; a row or a file that does not read is left out."""
@@ -229,7 +222,8 @@ def main(args: argparse.Namespace) -> int:
     off = (os.environ.get(envs.TUNED_CSV) or "").strip().lower() in tuning.OFF_VALUES
     table, table_label = tuning.load(variant.name, gfx, logger)
     router = paths.make_router(table=table, tune=True, gfx=gfx)
-    cache = measure.cache_path(gfx, cus)
+    stack = measure.cache_key(device, gfx, cus)
+    cache = measure.cache_path(gfx, cus, stack) if stack else None
     timing = "device events" if gpu else "the wall clock: a simulation, no GPU"
     print(f"model:   {model.label} ({model_type}): heads={heads} head_dim={head_dim} ({shape_source})")
     print(f"next_n:  {', '.join(map(str, next_ns))} ({next_source}); KVBlockSize {block}, preshuffled")
@@ -245,7 +239,7 @@ def main(args: argparse.Namespace) -> int:
     with StopSignal("bucket") as stop, Progress(len(plan), "tune") as progress, paths.session():
         pool = _pool(device, max(b for _, b in plan), max_model_len, head_dim + SCALE_BYTES)
         # The node cache as the router will read it: a bucket it covers is cached, not measured.
-        node = measure.load_cache(cache, gfx, cus, _quiet())
+        node = measure.load_cache(cache, stack, gfx, cus)[0] if cache else {}
         for i, (next_n, batch) in enumerate(plan):
             if stop.requested:
                 progress.close(interrupted=True)
@@ -273,9 +267,9 @@ def main(args: argparse.Namespace) -> int:
                 row.winner, row.source = "stock", f"the rules: {reason}"
                 continue
             key = (cus, next_n, heads, head_dim, block)
-            cached = node.shapes.get(key, {}).get(batch) is not None
+            cached = (key, batch, measure.contexts_of(max_model_len)) in node
             router.spent = 0.0  # the serving process's budget, not this command's: every bucket is timed
-            pick = router.pick(call, 1)
+            pick = router.decide(call, 1)
             if isinstance(pick, str) or pick is None:
                 row.winner, row.source, row.measured = "stock", pick or "no verdict", False
                 continue
@@ -296,7 +290,8 @@ def main(args: argparse.Namespace) -> int:
     for line in render(buckets):
         print(line)
     measured = sum(b.source == MEASURED for b in buckets)
-    print(f"node cache: {cache} ({measured} bucket(s) measured now)")
+    where = cache or "not cached: a version of aiter, flydsl, vLLM, torch or Triton cannot be read"
+    print(f"node cache: {where} ({measured} bucket(s) measured now)")
     failed = [b for b in buckets if not b.measured]
     if failed:
         print(f"{TOOL}: {len(failed)} bucket(s) got no figures (see above): stock", file=sys.stderr)
