@@ -258,6 +258,56 @@ def test_a_code_change_is_another_fingerprint(target, tmp_path, change):
     assert fingerprint_of_text(text, tmp_path / "changed.py") not in AUDITED
 
 
+@pytest.mark.parametrize("call", ["torch.cuda.synchronize()", "flydsl_fp8_paged_mqa_logits(q_fp8)"])
+def test_a_leading_call_where_the_docstring_was_is_code(
+    target, monkeypatch, tmp_path, fresh_register, plugin_log, call
+):
+    """Only a docstring (a constant) is left out of the fingerprint: a call statement first in the body,
+    in the docstring's place, is code (a sync, a launch), so vLLM stays stock with the WARNING."""
+    source = Path(target.__file__).read_text()
+    docstring = target_def(source).body[0]
+    assert isinstance(docstring, ast.Expr) and isinstance(docstring.value, ast.Constant)
+    lines = source.splitlines(keepends=True)
+    planted = [" " * docstring.col_offset + call + "\n"]
+    text = "".join(lines[: docstring.lineno - 1] + planted + lines[docstring.end_lineno :])
+    assert ast.unparse(target_def(text).body[0]) == call
+    assert fingerprint_of_text(text, tmp_path / "called.py") not in AUDITED
+    fn = compiled(target, text, tmp_path / "planted.py")
+    assert register_stock(target, monkeypatch, fresh_register, plugin_log, fn) == not_audited(
+        gates.vllm_version()
+    )
+
+
+def test_the_targets_source_is_read_with_the_cap(target, monkeypatch, tmp_path, fresh_register, plugin_log):
+    """The release's own code, in a file past the plugin's read cap (a runaway comment after it): the gate
+    reads at most the cap plus one byte, finds no fingerprint and keeps stock, naming the size."""
+    import os
+    import tracemalloc
+
+    comment = "# " + os.urandom(content.MAX_READ_BYTES // 2).hex() + "\n"
+    path = tmp_path / "runaway.py"
+    fn = compiled(target, Path(target.__file__).read_text() + comment, path)
+    assert path.stat().st_size > content.MAX_READ_BYTES
+    reason = register_stock(target, monkeypatch, fresh_register, plugin_log, fn)
+    assert reason == (
+        f"vLLM {gates.vllm_version()}'s {TARGET_NAME}: its source is unreadable (OSError: {path} is larger "
+        f"than {content.MAX_READ_BYTES} bytes); {OPT_IN}"
+    )
+    # The read itself stops at the cap: a 256 MiB file (sparse) costs no more memory than the cap.
+    huge = tmp_path / "huge.py"
+    with open(huge, "wb") as f:
+        f.write(comment[:4096].encode())
+        f.truncate(256 << 20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(OSError, match="is larger than 4096 bytes"):
+            content.read_capped(str(huge), 4096)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak
+
+
 def test_a_target_that_calls_flydsl_is_stock_not_in_tree(
     target, monkeypatch, tmp_path, fresh_register, plugin_log
 ):

@@ -569,6 +569,48 @@ def test_a_kernel_off_by_a_little_fails_the_self_test_and_its_shape_stays_stock(
     assert list(router.failed) == [route.shape]
 
 
+def test_a_top_k_disagreement_alone_fails_the_self_test():
+    """FlyDSL's answer is stock's but for one row's two neighbours at the top-k boundary, swapped: the same
+    -inf mask, every read column written, a metric far inside 1e-3, and another top-2048 set. The
+    self-test's rule fails it on the top-k alone, naming it; the unswapped answer passes."""
+    import random
+
+    seed = random.randrange(2**32)
+    gen = torch.Generator().manual_seed(seed)
+    k = selftest.INDEX_TOPK
+    ends = [2 * k + 64, k + 100, 37]  # wider than the top-k, just wider, and narrower
+    batch, width = len(ends), max(ends) + 16
+    q = torch.randn(batch, 1, 32, 128, generator=gen).to(torch.float8_e4m3fn)
+    lens = torch.tensor(ends, dtype=torch.int32)
+    args = (q, None, None, lens, None, None, width)
+    answer = torch.randn(batch, width, generator=gen) * 4
+    answer[torch.rand(batch, width, generator=gen) < 0.05] = float("-inf")  # masked columns, both arms
+    inside = torch.arange(width).view(1, -1) < lens.view(-1, 1)
+    swapped = answer.clone()
+    top = torch.where(inside[0], answer[0], -torch.inf).topk(k + 1).indices
+    swapped[0, top[k - 1]], swapped[0, top[k]] = answer[0, top[k]], answer[0, top[k - 1]]
+    workspace = torch.empty(batch * width)  # vLLM's workspace: every view starts at its front
+
+    def stock_buffer(rows: int, columns: int) -> torch.Tensor:
+        return workspace[: rows * columns].view(rows, columns)
+
+    def stock(a: tuple) -> torch.Tensor:
+        out = stock_buffer(batch, width)
+        out[inside] = answer[inside]  # Gluon writes the window, leaves the rest
+        return out
+
+    def launch(values: torch.Tensor):
+        return lambda a, out: out.copy_(torch.where(inside, values, out))  # out arrives NaN-poisoned
+
+    found = compare_in_windows(answer, swapped, lens)
+    assert found.mask_equal and found.nan_free and found.max_rel_diff < 1e-6, (seed, found.describe())
+    assert not found.topk_equal, seed
+    assert selftest.run(args, stock, stock_buffer, {"as stock": launch(answer)}) is None, seed
+    said = selftest.run(args, stock, stock_buffer, {"planted": launch(swapped)})
+    assert said is not None and said.startswith("FlyDSL planted: max rel diff"), (seed, said)
+    assert "-inf mask identical, top-k DIFFERENT" in said and "NaN" not in said, (seed, said)
+
+
 # ---------------------------------------------------------------- issue 43: under aiter's dispatcher
 
 

@@ -57,6 +57,7 @@ def cache_files(tmp_path: Path) -> list[Path]:
 
 def cache_rows(path: Path) -> dict[tuple, dict]:
     with open(path, newline="") as f:
+        assert f.readline().startswith("# vllm-flydsl-indexer node cache keyed on: format=2 device=cpu")
         return {
             tuple(int(r[c]) for c in ("batch_size", "next_n", "heads", "head_dim", "kv_block_size")): r
             for r in csv.DictReader(f)
@@ -130,10 +131,18 @@ def test_a_planted_cache_row_is_read_not_measured(tmp_path, monkeypatch):
     from vllm_flydsl_indexer import measure, tuning
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
-    path = measure.cache_path("gfx950", 1)
-    values = ("gfx950", 1, 2, 1, 64, 128, 64, True, "8192;32768", "flydsl", 0, 0, 0, 10.0, 37.0, 10.0)
+    # The key of the command's own stack (no vLLM there): one subprocess asks it.
+    code = "import torch\nfrom vllm_flydsl_indexer import measure\n"
+    code += "print(measure.cache_key(torch.device('cpu'), 'gfx950', 1))\n"
+    key = run_python(code, env_for(tmp_path, vllm=False)).stdout.strip()
+    assert "vllm=unknown" in key
+    path = measure.cache_path("gfx950", 1, key)
+    from vllm_flydsl_indexer.tools.settings import TUNE_MODEL_CPU_MAX_MODEL_LEN
+
+    context = measure.contexts_of(TUNE_MODEL_CPU_MAX_MODEL_LEN)  # a row applies at its own context only
+    values = ("gfx950", 1, 2, 1, 64, 128, 64, True, context, "flydsl", 0, 0, 0, 10.0, 37.0, 10.0)
     planted = dict(zip(tuning.COLUMNS, values, strict=True))
-    measure.write_cache(path, [planted])
+    assert measure.write_cache(path, key, [planted]) is None
     done = tune(["tune", "--model", "deepseek_v32", "--max-batch", "2"], env_for(tmp_path, vllm=False))
     assert done.returncode == 0, done.stderr[-3000:]
     rows = table_rows(done.stdout)

@@ -19,19 +19,21 @@
   never outvotes a measurement; FlyDSL must beat stock by :data:`MARGIN`.
 * **Cached per node** (:func:`cache_key`): the device name, gfx, CUs, aiter, flydsl, vLLM, torch and
   Triton versions and :data:`CACHE_FORMAT`; a row applies only at the contexts it was timed at. A build
-  whose version cannot be read is measured, never cached. Only what this rank measured is written (every
-  rank that measured; a busy lock skips the write), atomically, never through a link; a row whose figures
-  are not positive and finite, contradict its backend or repeat a key with another verdict is corrupt:
-  one WARNING, and the bucket is measured again. A failed or untimed candidate leaves no row.
+  whose version cannot be read is measured, never cached. Every rank writes what it measured, and only
+  that (:func:`write_cache`: atomically, never through a link, in a directory only this user can write). A
+  row whose figures are not positive and finite, contradict its backend or repeat a key with another
+  verdict is corrupt: one WARNING, and the bucket is measured again. A failed or untimed candidate leaves
+  no row, so a restart tests it again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
-import fcntl
 import functools
 import hashlib
 import io
+import itertools
 import math
 import os
 import stat
@@ -80,13 +82,9 @@ def contexts_of(max_model_len: int) -> str:
 @functools.cache
 def stack_versions() -> dict[str, str]:
     """What builds the two arms: aiter, flydsl, vLLM, torch and Triton (``unknown`` where unreadable)."""
-    return {
-        "aiter": installed_version(AITER_DISTRIBUTIONS),
-        "flydsl": installed_version(("flydsl",)),
-        "vllm": installed_version(("vllm",)),
-        "torch": torch.__version__,
-        "triton": installed_version(("triton", "pytorch-triton-rocm")),
-    }
+    names = {"aiter": AITER_DISTRIBUTIONS, "flydsl": ("flydsl",), "vllm": ("vllm",)}
+    names["triton"] = ("triton", "pytorch-triton-rocm")
+    return {"torch": torch.__version__, **{what: installed_version(n) for what, n in names.items()}}
 
 
 def cache_key(device: torch.device, gfx: str, cus: int) -> str | None:
@@ -105,24 +103,23 @@ def cache_path(gfx: str, cus: int, key: str) -> Path:
     return envs.cache_root() / CACHE_DIR / f"paged_mqa_logits_{gfx}_{cus}cu_{digest}.csv"
 
 
-def _row_verdict(row: dict, gfx: str, cus: int) -> tuple[tuple, tuple[str, float]] | str:
-    """A cached row's ``((shape key, bucket, contexts), (backend, ratio, source))``, or why it is corrupt."""
+def _row_key(row: dict, gfx: str, cus: int) -> tuple | str:
+    """A cached row's ``(shape key, bucket, contexts)``, or why it is corrupt."""
     found = tuning.usable_row(row)
-    if found is None or found[0] != gfx or found[1][0] != cus:
-        return "a row the lookup cannot use, or for another GPU"
-    _, key, bucket, backend, _ = found
     try:
         us, gluon_us, flydsl_us = (float(row[c]) for c in ("us", "gluon_us", "flydsl_us"))
     except (KeyError, TypeError, ValueError):
         return "a row without its figures"
+    if found is None or found[0] != gfx or found[1][0] != cus:
+        return "a row the lookup cannot use, or for another GPU"
     if not all(math.isfinite(f) and f > 0 for f in (us, gluon_us, flydsl_us)):
         return f"figures that are not positive finite times ({us}, {gluon_us}, {flydsl_us})"
     taken = flydsl_us * MARGIN <= gluon_us * (1 + TOLERANCE)
-    if taken != (backend != "gluon") or not math.isclose(
-        us, flydsl_us if taken else gluon_us, rel_tol=TOLERANCE
+    if taken != (found[3] != "gluon") or not math.isclose(
+        us, (gluon_us, flydsl_us)[taken], rel_tol=TOLERANCE
     ):
-        return f"a {backend} row whose figures say otherwise (us {us}, gluon {gluon_us}, flydsl {flydsl_us})"
-    return (key, bucket, row.get("context_len", "")), (backend, flydsl_us / gluon_us, "this node's cache")
+        return f"a {found[3]} row whose figures say otherwise (us {us}, gluon {gluon_us}, flydsl {flydsl_us})"
+    return found[1], found[2], row.get("context_len", "")
 
 
 def _is_private(directory: Path) -> str | None:
@@ -134,72 +131,54 @@ def _is_private(directory: Path) -> str | None:
 
 
 def load_cache(path: Path, key: str, gfx: str, cus: int) -> tuple[dict, list[str]]:
-    """The node cache's verdicts ``{(shape key, bucket, contexts): (backend, ratio, source)}`` and what is wrong
-    with it (each a WARNING); a missing file is empty. Never raises."""
+    """The node cache's rows ``{(shape key, bucket, contexts): row}`` and what is wrong with it (each a
+    WARNING); a missing file is empty. Never raises, never follows a link."""
     try:
-        if not path.parent.exists() and not os.path.lexists(path):
-            return {}, []
-        if why := _is_private(path.parent):
-            return {}, [why]
         if not os.path.lexists(path):
             return {}, []
-        if stat.S_ISLNK(os.lstat(path).st_mode):
-            return {}, [f"{path} is a symbolic link"]
-        text = tuning.read_capped(str(path))
+        if (why := _is_private(path.parent)) or stat.S_ISLNK(os.lstat(path).st_mode):
+            return {}, [why or f"{path} is a symbolic link"]
+        head, _, body = tuning.read_capped(str(path)).partition("\n")
     except Exception as e:  # noqa: BLE001 - an unreadable cache is no cache
         return {}, [f"{path}: {type(e).__name__}: {e}"]
-    head, _, body = text.partition("\n")
     if head != key:
         return {}, [f"{path} is keyed on another stack ({head[:200]!r})"]
     found, corrupt, problems = {}, set(), []
     for number, row in enumerate(csv.DictReader(io.StringIO(body)), 3):
-        verdict = _row_verdict(row, gfx, cus)
-        if isinstance(verdict, str):
-            problems.append(f"{path} line {number}: {verdict}")
-        elif found.get(verdict[0], verdict[1])[0] != verdict[1][0]:
-            corrupt.add(verdict[0])
-            problems.append(f"{path} line {number}: a second row of its key with another verdict")
-        else:
-            found[verdict[0]] = verdict[1]
+        at = _row_key(row, gfx, cus)
+        if isinstance(at, str) or found.setdefault(at, row)["backend"] != row["backend"]:
+            corrupt.add(at)
+            problems.append(
+                f"{path} line {number}: {at if isinstance(at, str) else 'its key twice, two verdicts'}"
+            )
     return {k: v for k, v in found.items() if k not in corrupt}, problems
 
 
 def write_cache(path: Path, key: str, rows: list[dict]) -> str | None:
     """Merge ``rows`` into ``path`` (a row of the same key and contexts replaced, corrupt rows dropped)
-    under a lock, through a private temporary file and an atomic rename; why it was not written, or
-    ``None``. A lock that is busy skips the write: the verdict stands, the next process measures again."""
+    through a private temporary file and an atomic rename; why it was not written, or ``None``. No lock: a
+    reader never sees a partial file, and two processes that merge at once can only lose one's rows, which
+    the next process measures again (what a busy lock's skipped write would do)."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if why := _is_private(path.parent):
             return why
-        flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        with os.fdopen(os.open(path.with_suffix(".lock"), flags, 0o600), "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                return "another process holds its lock"
-            gfx, cus = rows[0]["gfx"], int(rows[0]["cu_num"])
-            old, _ = load_cache(path, key, gfx, cus)
-            kept = {}
-            if old and not stat.S_ISLNK(os.lstat(path).st_mode):
-                for row in csv.DictReader(io.StringIO(tuning.read_capped(str(path)).partition("\n")[2])):
-                    verdict = _row_verdict(row, gfx, cus)
-                    if not isinstance(verdict, str) and verdict[0] in old:
-                        kept[verdict[0]] = row
-            kept.update({_row_verdict(r, gfx, cus)[0]: r for r in rows})
-            out = io.StringIO()
-            out.write(key + "\n")
-            writer = csv.DictWriter(out, tuning.COLUMNS, extrasaction="ignore", lineterminator="\n")
-            writer.writeheader()
-            writer.writerows(kept.values())
-            handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
-            try:
-                with os.fdopen(handle, "w") as f:
-                    f.write(out.getvalue())
-                os.replace(temporary, path)  # a link in the way is replaced, never followed
-            except BaseException:
-                os.unlink(temporary)
-                raise
+        gfx, cus = str(rows[0]["gfx"]), int(rows[0]["cu_num"])
+        new = {_row_key(r, gfx, cus): r for r in ({k: str(v) for k, v in r.items()} for r in rows)}
+        if corrupt := [at for at in new if isinstance(at, str)]:
+            return f"a row to write is corrupt: {corrupt[0]}"
+        kept = load_cache(path, key, gfx, cus)[0] | new
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=".", suffix=".tmp")
+        try:
+            with os.fdopen(handle, "w", newline="") as f:
+                f.write(key + "\n")
+                writer = csv.DictWriter(f, tuning.COLUMNS, extrasaction="ignore", lineterminator="\n")
+                writer.writeheader()
+                writer.writerows(kept.values())
+            os.replace(temporary, path)  # a link in the way is replaced, never followed
+        except BaseException:
+            os.unlink(temporary)
+            raise
     except Exception as e:  # noqa: BLE001 - the verdict stands; the next process measures again
         return f"{type(e).__name__}: {e}"
     return None
@@ -208,43 +187,32 @@ def write_cache(path: Path, key: str, rows: list[dict]) -> str | None:
 def _sampler(fn, device: torch.device):
     """``fn`` as serving runs it: after one untimed call, a function giving seconds per call."""
     fn()
-    if device.type != "cuda":  # the CPU simulation: no device, no graph, the wall clock of one call
+    graph = torch.cuda.CUDAGraph() if device.type == "cuda" else None
+    try:
+        with (
+            torch.cuda.graph(graph, capture_error_mode="thread_local") if graph else contextlib.nullcontext()
+        ):
+            for _ in range(GRAPH_CALLS if graph else 0):
+                fn()
+    except Exception:  # noqa: BLE001 - a candidate that will not capture is timed queued behind a delay
+        graph = False
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
 
-        def wall() -> float:
+    def sample() -> float:
+        if events is None:  # the CPU simulation: no device, no graph, the wall clock of one call
             began = time.perf_counter()
             fn()
             return time.perf_counter() - began
-
-        return wall
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    try:
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                for _ in range(GRAPH_CALLS):
-                    fn()
-            finally:
-                graph.capture_end()
-    except Exception:  # noqa: BLE001 - a candidate that will not capture is timed queued behind a delay
-        graph = None
-    torch.cuda.current_stream(device).wait_stream(side)
-    start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-
-    def replay() -> float:
-        if graph is None:
+        if graph is False:
             torch.cuda._sleep(DELAY_CYCLES)  # the launches below queue behind it: device time, not host
-        start.record()
-        if graph is not None:
-            graph.replay()
-        else:
-            for _ in range(GRAPH_CALLS):
-                fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / GRAPH_CALLS
+        events[0].record()
+        for _ in range(1 if graph else GRAPH_CALLS):
+            graph.replay() if graph else fn()
+        events[1].record()
+        events[1].synchronize()
+        return events[0].elapsed_time(events[1]) / 1e3 / GRAPH_CALLS
 
-    return replay
+    return sample
 
 
 def summarise(samples: list[list[list[float]]]) -> tuple[float, list[float]]:
@@ -275,8 +243,7 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
         1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device, generator=rng
     )
     wb = torch.rand(rows, heads, device=device, generator=rng)
-    timed = [i for i, r in enumerate(routes) if r is not None]
-    samplers = []
+    timed, samplers = [r for r in routes if r is not None], []
     for context in contexts:
         pages = -(-context // block_size)
         tables = torch.arange(bucket * pages, device=device, dtype=torch.int32).remainder_(kv.shape[0])
@@ -285,23 +252,19 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
         problem = (qb.view(q.dtype), kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
         out = router.hooks.output_buffer(rows, max_model_len)
         arms = [functools.partial(router.original, *problem, compress_ratio=compress_ratio)]
-        for i in timed:
-            route = routes[i]
-            arms.append(
-                functools.partial(router._flydsl, route.fn or router.variant.fn, route.kwargs, problem, out)
-            )
+        arms += [
+            functools.partial(router._flydsl, r.fn or router.variant.fn, r.kwargs, problem, out)
+            for r in timed
+        ]
         samplers.append([_sampler(arm, device) for arm in arms])
-    samples = []
-    for r in range(ROUNDS):  # interleaved, each round in another order
-        samples.append([[0.0] * len(arms) for _ in contexts])
-        for c, per_context in enumerate(samplers):
-            for i in (*range(r % len(arms), len(arms)), *range(r % len(arms))):
-                samples[-1][c][i] = per_context[i]()
+    arms = len(samplers[0])
+    samples = [[[0.0] * arms for _ in contexts] for _ in range(ROUNDS)]
+    for r, c, k in itertools.product(range(ROUNDS), range(len(contexts)), range(arms)):
+        samples[r][c][(r + k) % arms] = samplers[c][
+            (r + k) % arms
+        ]()  # interleaved, each round from another arm
     stock, ratios = summarise(samples)
-    out = list(NONE)
-    for i, ratio in zip(timed, ratios, strict=True):
-        out[i] = ratio
-    return stock, out
+    return stock, [ratios.pop(0) if r is not None else math.inf for r in routes]
 
 
 def settle(ratios: list[float]) -> str | None:
@@ -318,60 +281,51 @@ def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple
     q, kv, max_model_len = args[0], args[1], args[6]
     batch, next_n, heads, head_dim = q.shape
     bucket, shape, cus = bucket_of(batch), (heads, head_dim, kv.shape[1], next_n), cu_count(q.device)
-    key = (cus, next_n, heads, head_dim, kv.shape[1])
+    at = ((cus, next_n, heads, head_dim, kv.shape[1]), bucket, contexts_of(max_model_len))
     rank0, name = router.hooks.tp_group()[1] == 0, f"{describe(shape)} batch {bucket}"
     try:
-        if router.node is None:
+        if router.node is None:  # (path or None: not cached, key, rows by bucket, what is wrong with it)
             stack = cache_key(q.device, router.gfx, cus)
             path = cache_path(router.gfx, cus, stack) if stack else None
             router.node = (path, stack, *(load_cache(path, stack, router.gfx, cus) if path else ({}, [])))
             if router.node[3] and rank0:
                 lines = "; ".join(router.node[3][:3]) + ("; ..." if len(router.node[3]) > 3 else "")
                 router.logger.warning("%s node cache: %s; those buckets are measured again", envs.HEAD, lines)
-        if router.failed.get(shape):
-            return router.failed[shape], list(NONE)
-        cached = router.node[2].get((key, bucket, contexts_of(max_model_len)))
-        if cached is not None:  # read from the file, or measured by this process
-            backend, ratio, source = cached
-            return (backend, bucket, 0, None, source), [ratio if b == backend else math.inf for b in BACKENDS]
-        if not router.tune:
-            return f"{NOT_MEASURED} ({envs.TUNE}=0)", list(NONE)
-        if router.hooks.serving():
-            return SERVING, list(NONE)
-        if router.spent >= PROCESS_BUDGET_S:
-            return (
-                f"{NOT_MEASURED} (the process's {PROCESS_BUDGET_S:.0f} s measurement budget is spent)",
-                list(NONE),
-            )
+        row = router.node[2].get(at)
+        if row is not None and shape not in router.failed:  # read from the file, or measured by this process
+            ratio = float(row["flydsl_us"]) / float(row["gluon_us"])
+            ratios = [ratio if b == row["backend"] else math.inf for b in BACKENDS]
+            return (row["backend"], bucket, 0, None, row.get("source", "this node's cache")), ratios
+        why = (
+            router.failed.get(shape)
+            or (not router.tune and f"{NOT_MEASURED} ({envs.TUNE}=0)")
+            or (router.hooks.serving() and SERVING)
+            or (router.spent >= PROCESS_BUDGET_S and f"{NOT_MEASURED} (this process's budget is spent)")
+        )
+        if why:
+            return why, list(NONE)
         began = time.perf_counter()
         tested = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
         stock, ratios = figures(router, args, compress_ratio, bucket, tested)
         router.spent += time.perf_counter() - began
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
-        router.logger.warning(
-            "%s measuring %s raised %s: %s; it stays stock", envs.HEAD, name, type(e).__name__, e
-        )
+        line = f"measuring {name} raised {type(e).__name__}: {e}; it stays stock"
+        router.logger.warning("%s %s", envs.HEAD, line)
         return f"{NOT_MEASURED} (the measurement raised {type(e).__name__})", list(NONE)
-    pick = settle(ratios)
+    pick, us, best = settle(ratios) or "gluon", stock * 1e6, min(ratios)
     if rank0:
-        us = ", ".join(
-            f"{b} {stock * r * 1e6:.2f} us" for b, r in zip(BACKENDS, ratios, strict=True) if r < math.inf
+        timed = ", ".join(
+            f"{b} {us * r:.2f} us" for b, r in zip(BACKENDS, ratios, strict=True) if r < math.inf
         )
-        line = (
-            f"measured {name} on this GPU (gluon {stock * 1e6:.2f} us, {us}; median of {ROUNDS} graph rounds)"
-        )
-        router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick or "gluon")
-    complete = all((r is None) == (f == math.inf) for r, f in zip(routes, ratios, strict=True))
-    source = "this node's measurement"
-    if complete and min(ratios) < math.inf:  # every candidate timed: the bucket's other batches reuse it
-        router.node[2][key, bucket, contexts_of(max_model_len)] = (pick or "gluon", min(ratios), source)
-    if router.node[0] is not None and complete and min(ratios) < math.inf:
-        us, ratio = stock * 1e6, min(ratios)
-        row = dict(zip(tuning.COLUMNS, (
-            router.gfx, cus, bucket, *key[1:], key[4] > 1, contexts_of(max_model_len), pick or "gluon",
-            0, 0, 0, round(us * ratio if pick else us, 4), round(us, 4), round(us * ratio, 4),
-        ), strict=True))  # fmt: skip
-        why = write_cache(router.node[0], router.node[1], [row])
+        line = f"measured {name} on this GPU (gluon {us:.2f} us, {timed}; median of {ROUNDS} rounds)"
+        router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick)
+    row = dict(zip(tuning.COLUMNS, (
+        router.gfx, cus, bucket, *at[0][1:], at[0][4] > 1, at[2], pick, 0, 0, 0,
+        round(us if pick == "gluon" else us * best, 4), round(us, 4), round(us * best, 4),
+    ), strict=True), source="this node's measurement")  # fmt: skip
+    if best < math.inf and all((r is None) == (f == math.inf) for r, f in zip(routes, ratios, strict=True)):
+        router.node[2][at] = row  # every candidate timed: the bucket's other batches reuse it
+        why = router.node[0] and write_cache(router.node[0], router.node[1], [row])
         if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
             router.logger.warning("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
-    return (pick or "gluon", bucket, 0, None, source), ratios
+    return (pick, bucket, 0, None, row["source"]), ratios

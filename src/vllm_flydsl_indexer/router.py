@@ -223,7 +223,7 @@ class FlyDSLRouter:
         stock (``None``: no table, FlyDSL wherever eligible), decided once at its first eager call: this
         rank's (:meth:`_local`), then agreed across the TP group (:meth:`_agree`, the one collective)."""
         q, kv, _, lens, _, _, max_model_len = args
-        signature = (q.shape, kv.shape[1:], lens.dim(), max_model_len, compress_ratio)
+        signature = (q.shape, kv.shape[1:], lens.dim(), max_model_len, compress_ratio, q.device)
         if signature not in self.verdicts:
             group, capturing = self.hooks.tp_group()[0], self.is_capturing()
             if capturing and group is not None:  # no collective inside capture: an eager call agrees later
@@ -256,9 +256,9 @@ class FlyDSLRouter:
                 return measure.IN_CAPTURE, measure.NONE
             entry, bucket = self.variant.entry, measure.bucket_of(batch)
             fits = entry is not None and entry.violation(q, kv, w, lens, bt) is None
-            bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
+            bounds, block = "(B, next_n)" if lens.dim() == 2 else "(B,)", kv.shape[1]
             routes = [
-                Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, kv.shape[1], max_model_len, cus),
+                Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, block, max_model_len, cus),
                       bounds=bounds, fn=fn) if ok else None
                 for kernel, fn, ok in ((self.variant, None, True), (entry, entry and entry.fn, fits))
             ]  # fmt: skip
