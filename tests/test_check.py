@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import vllm_flydsl_indexer
-from vllm_flydsl_indexer import envs, kernels, router, selftest, tuning
+from vllm_flydsl_indexer import envs, kernels, measure, router, selftest, tuning
 from vllm_flydsl_indexer import target as target_module
 from vllm_flydsl_indexer.tools import check, settings
 from vllm_flydsl_indexer.tools import cli as cli_mod
@@ -138,7 +138,32 @@ MUTATIONS = {
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     # The router-behaviour cases (tools/behaviour.py): each builds its own router.
-    "tuned table ignored": ("pick = router.pick(args, compress_ratio)", "pick = None", "tuned table"),
+    "tuned table ignored": (
+        "table.choice(cus, batch, next_n, heads, head_dim, kv.shape[1]) if table is not None else None",
+        "None",
+        "tuned table",
+    ),
+    # issue 49: this node's measurement (tools/behaviour.py's "measured" cases).
+    "measured verdict inverted": (
+        "if ratios[best] * MARGIN <= 1 + 1e-9 else None",
+        "if ratios[best] * MARGIN > 1 + 1e-9 else None",
+        "measured: FlyDSL faster than stock",
+    ),
+    "cached row used at another context": (
+        "row = router.node[2].get(at)",
+        "row = next((r for k, r in router.node[2].items() if k[:2] == at[:2]), None)",
+        "measured: cached rows at their own context only",
+    ),
+    "a candidate that failed its self-test timed and cached": (
+        "if r and router._tested(r, args, compress_ratio) is None else None",
+        "if r and router._tested(r, args, compress_ratio) is not False else None",
+        "measured: a failed self-test is not cached",
+    ),
+    "VLLM_FLYDSL_INDEXER_TUNE=0 ignored": (
+        "or (not router.tune and",
+        "or (False and",
+        "measured: VLLM_FLYDSL_INDEXER_TUNE=0",
+    ),
     # issue 32: the self-test (issue 37: once per shape, FlyDSL itself; issue 43: it replaces the canary).
     "self-test skipped": (
         "if untested and self._tested(",
@@ -253,7 +278,7 @@ MUTATIONS = {
         "bounds and callers",
     ),
 }
-RULE_MODULES = (router, target_module, kernels, tuning, selftest)
+RULE_MODULES = (router, target_module, kernels, tuning, selftest, measure)
 
 
 def plant(monkeypatch, old: str, new: str) -> int:

@@ -62,15 +62,16 @@ def audited_releases() -> list[str]:
     return sorted({release for release, _ in AUDITED.values()})
 
 
-def release_source(version: str) -> tuple[str, str]:
-    """The target module's source in vLLM ``version`` and where it came from: the installed file where
-    ``version`` is installed, else the release's wheel under ``$FLYDSL_INDEXER_TEST_VLLM_WHEELS``. Skips
-    with the reason otherwise (CI runs each release in its own venv, so each is pinned there)."""
+def release_source(version: str, file: str = TARGET_FILE) -> tuple[str, str]:
+    """The source of vLLM ``version``'s ``file`` (the target module's by default) and where it came from: the
+    installed file where ``version`` is installed, else the release's wheel under
+    ``$FLYDSL_INDEXER_TEST_VLLM_WHEELS``. Skips with the reason otherwise (CI runs each release in its own
+    venv, so each is pinned there); ``FileNotFoundError`` where the release has no such file."""
     import zipfile
 
     installed = importlib.metadata.version("vllm")
     if installed == version:
-        path = vllm_root().parent / TARGET_FILE
+        path = vllm_root().parent / file
         return path.read_text(), str(path)
     directory = os.environ.get(WHEELS)
     why = f"vLLM {version} is not installed (this venv has {installed})"
@@ -83,7 +84,9 @@ def release_source(version: str) -> tuple[str, str]:
     if not wheels:
         pytest.skip(f"{why} and ${WHEELS}={directory} holds no vllm-{version}-*.whl")
     with zipfile.ZipFile(wheels[0]) as wheel:
-        return wheel.read(TARGET_FILE).decode(), f"{wheels[0]}!{TARGET_FILE}"
+        if file not in wheel.namelist():
+            raise FileNotFoundError(f"{wheels[0]} has no {file}")
+        return wheel.read(file).decode(), f"{wheels[0]}!{file}"
 
 
 def target_def(source: str) -> ast.FunctionDef:
@@ -189,6 +192,34 @@ def assert_audited_release(source: str, version: str, origin: str) -> None:
     assert knobs == {**GLUON_KNOBS, "Preshuffle": PRESHUFFLE[found[1]]}, (version, knobs)
 
 
+@pytest.mark.parametrize("version", audited_releases())
+def test_each_releases_entry_builds_the_preshuffle_its_gluon_call_passes(target, monkeypatch, version):
+    """Without the release's wheel: the target gate, finding a release's fingerprint, builds the router's
+    ``Preshuffle`` hook in that release's form (0.32.0, 0.33.0: ``block_size > 1``; 0.34.0:
+    ``indexer_k_cache_is_shuffled(block_size) and not _ON_RDNA``, as its Gluon call reads). A fresh random
+    layout helper, unlike ``block_size > 1``, tells the forms apart."""
+    import random
+
+    from vllm_flydsl_indexer import gates
+    from vllm_flydsl_indexer import target as content
+
+    (fingerprint,) = [f for f, (release, _) in content.AUDITED.items() if release == version]
+    monkeypatch.setattr(content, "fingerprint_of", lambda fn: fingerprint)
+    seed = random.randrange(2**32)
+    sizes = [1, 16, 32, 48, 64, 128, 256]
+    shuffled = set(random.Random(seed).sample(sizes, 3)) | {1}  # never block_size > 1's answer
+    monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs in shuffled, raising=False)
+    monkeypatch.setattr(target, "_ON_RDNA", False, raising=False)
+    (_, ok, detail), _, hooks = gates.check_target(allow_untested=False)
+    assert ok and f"is vLLM {version}'s audited code" in detail, detail
+    layout = tuple(int(x) for x in version.split(".")[:2]) >= (0, 34)
+    wanted = {bs: bs in shuffled if layout else bs > 1 for bs in sizes}
+    assert {bs: hooks.preshuffle(bs) for bs in sizes} == wanted, (seed, shuffled)
+    monkeypatch.setattr(target, "_ON_RDNA", True)  # 0.34.0's "and not _ON_RDNA"
+    hooks = gates.check_target(allow_untested=False)[2]
+    assert {bs: hooks.preshuffle(bs) for bs in sizes} == {bs: not layout and bs > 1 for bs in sizes}, seed
+
+
 def test_the_installed_target_is_its_release_in_the_audit(target):
     """The installed vLLM's target is its own release's entry of AUDITED, with its form. CI installs each
     audited release in its own venv, so this pins each there; the function this process imported is the
@@ -215,6 +246,31 @@ def test_each_audited_release_is_its_entry(version):
     """Each release's own source (installed, or its wheel) fingerprints as its entry, with its form."""
     source, origin = release_source(version)
     assert_audited_release(source, version, origin)
+
+
+@pytest.mark.parametrize("version", audited_releases())
+def test_each_audited_releases_multi_row_callers_are_their_entries(tmp_path, version):
+    """The call sites trusted with next_n > 1 are held to their own code, as the target is: in each release
+    (installed, or its wheel) the function of each that calls the target fingerprints as its
+    ``CALLER_CODE`` entry for that release, and only there; a release without the module (deepseek_v41
+    before 0.33.0) has no entry for it."""
+    from vllm_flydsl_indexer.target import CALLER_CODE, MULTI_ROW, fingerprint
+
+    assert set(CALLER_CODE) == {module for module, why in MULTI_ROW.items() if why is None}
+    for module, (name, releases) in CALLER_CODE.items():
+        listed = [f for f, found in releases.items() if version in found.split(", ")]
+        try:
+            source, origin = release_source(version, "/".join(module.split(".")) + ".py")
+        except FileNotFoundError:
+            assert listed == [], (module, version)
+            continue
+        fn = function(ast.parse(source), name)
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and ast.unparse(n.func) == TARGET_NAME]
+        assert len(calls) == 1, f"{origin}: {name} calls the target {len(calls)} times"
+        path = tmp_path / f"{version}-{name}.py"
+        path.write_text(source)
+        found = fingerprint(str(path), (fn.decorator_list or [fn])[0].lineno, name)
+        assert listed == [found], f"{origin}: {module}.{name} fingerprints as {found}, listed {listed}"
 
 
 def test_every_release_in_the_window_has_an_audited_entry():
@@ -619,3 +675,21 @@ def test_the_indexer_op_breaks_breakable_graphs_and_runs_eagerly():
     records = body.index("Call:self.segments.append(fn)")
     begins = body.index("Call:self._begin_segment()")
     assert ends < runs < records < begins, body
+
+
+def test_vllm_locks_its_workspace_after_capture_and_the_hooks_read_it(target, workspace):
+    """The measurement stops once vLLM serves: the hooks' ``serving`` is vLLM's own workspace lock, which
+    both model runners take at the end of ``capture_model`` (after warm-up and every capture)."""
+    from vllm_flydsl_indexer.target import AUDITED, fingerprint_of, vllm_stock_hooks
+
+    _, form = AUDITED[fingerprint_of(vars(target)[TARGET_NAME])]
+    hooks = vllm_stock_hooks(target, form)
+    assert hooks.serving() is False
+    workspace.lock_workspace()
+    assert hooks.serving() is True and workspace.current_workspace_manager().is_locked()
+    for module, owner in (
+        ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+        ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+    ):
+        names = calls_in_order(module_source(module), owner, "capture_model")
+        assert "lock_workspace" in names, f"{module}.{owner}.capture_model no longer locks the workspace"

@@ -286,6 +286,24 @@ def test_a_failed_self_test_is_not_cached_and_the_next_process_tests_again(cache
     assert restarted.spent > 0 and restarted.calls_taken == 1
 
 
+@pytest.mark.parametrize(("table_says", "cache_says"), [("gluon", "flydsl"), ("flydsl", "gluon")])
+def test_a_table_row_outranks_this_nodes_cache(cache_root, table_says, cache_says):
+    """The user's (or the built-in) table first; this node's cache or measurement only where no row covers
+    the call."""
+    key = measure.cache_key(torch.device("cpu"), GFX, CUS)
+    us = {"flydsl": (5.0, 10.0, 5.0), "gluon": (10.0, 10.0, 20.0)}[cache_says]
+    values = (GFX, CUS, 2, 1, 64, 128, 64, True, "256", cache_says, 0, 0, 0, *us)
+    assert measure.write_cache(path(), key, [dict(zip(tuning.COLUMNS, values, strict=True))]) is None
+    shape = (CUS, 1, 64, 128, 64)
+    table = tuning.TunedTable("t.csv", GFX, shapes={shape: {2: [(table_says, 0)]}})
+    stock, flydsl = Arm(FAST), Arm(FAST)
+    router = make(stock, flydsl, table=table)
+    router(*batch(2))
+    assert router.calls_taken == (table_says == "flydsl") and router.spent == 0
+    (route,) = router.routes.values()
+    assert (route.reason or route.source).startswith("t.csv on gfx950"), route
+
+
 def test_the_winner_must_beat_stock_by_the_margin_and_the_faster_candidate_wins():
     assert measure.settle([0.98, math.inf]) is None
     assert measure.settle([1 / measure.MARGIN, math.inf]) == "flydsl"
@@ -352,17 +370,46 @@ def test_the_cache_never_follows_a_link_and_the_write_is_atomic(cache_root):
     assert [r["backend"] for r in rows()] == ["flydsl"]
 
 
+def test_a_cache_file_that_is_a_link_is_never_read(cache_root):
+    make(Arm(SLOW), Arm(FAST))(*batch(2))  # a valid row that says FlyDSL
+    planted = cache_root / "planted.csv"
+    os.replace(path(), planted)
+    os.symlink(planted, path())
+    router = make(Arm(FAST), Arm(SLOW))
+    router(*batch(2))
+    assert router.spent > 0 and router.calls_taken == 0  # measured, not read through the link
+    assert not os.path.islink(path()) and rows()[0]["backend"] == "gluon"
+
+
+def test_an_untimed_candidate_leaves_no_row(cache_root, aiter_as):
+    """The general kernel fails its self-test, the entry passes and is timed: the bucket is not cached,
+    so a restart tests the general kernel again."""
+    aiter_as(flydsl="general+entry")
+    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits_gfx950_entry as module
+
+    entry = identify_entry(module.flydsl_fp8_paged_mqa_logits_gfx950, module, "double")
+    router = make(Arm(SLOW), Arm(FAST), entry=entry)
+    router.self_test = True
+    router._self_test = lambda route, *a: None if route.fn else "planted: the top-k disagrees"
+    router(*batch(2))
+    assert router.spent > 0 and router.failed and not path().exists()
+
+
 def rows_of_one():
     values = (GFX, CUS, 2, 1, 64, 128, 64, True, "256", "flydsl", 0, 0, 0, 10.0, 37.0, 10.0)
     return zip(tuning.COLUMNS, values, strict=True)
 
 
 def test_a_cache_directory_others_can_write_is_refused_with_one_warning(cache_root, plugin_log):
-    path().parent.mkdir(parents=True)
+    make(Arm(SLOW), Arm(FAST))(*batch(2))  # a valid row that says FlyDSL
     os.chmod(path().parent, 0o777)
-    router = make(Arm(SLOW), Arm(FAST))
+    before = path().read_text()
+    plugin_log.clear()
+    stock, flydsl = Arm(FAST), Arm(SLOW)
+    router = make(stock, flydsl)
     router(*batch(2))
-    assert router.calls_taken == 1 and not path().exists()  # the verdict stands, nothing written
+    assert router.spent > 0 and router.calls_taken == 0  # not read: measured again, stock now
+    assert path().read_text() == before  # nor written
     warnings = warnings_of(plugin_log)
     assert len(warnings) == 1 and "only it can write" in warnings[0], warnings
 
@@ -448,6 +495,10 @@ TP_SCRIPT = textwrap.dedent(
             return torch.zeros(1)
 
     flydsl, tune, test = Arm({fast}), True, False
+    if case == "both-close":  # FlyDSL 1.6x faster on each rank: MAX takes it, a SUM of ratios would not
+        flydsl = Arm({slow} / 1.6)
+    if rank == 1 and case == "budget":
+        measure.PROCESS_BUDGET_S = 0.0
     if rank == 1 and case == "raise":
         flydsl = Arm({fast}, fail=True)
     if rank == 1 and case in ("slower-than-cache", "slow"):
@@ -490,9 +541,11 @@ TP_SCRIPT = textwrap.dedent(
         ("slower-than-cache", "stock"),
         ("cache-oserror", "stock"),
         ("selftest", "stock"),
+        ("budget", "stock"),
+        ("both-close", "flydsl"),
     ],
 )
-@pytest.mark.slow_except("none", "slower-than-cache")
+@pytest.mark.slow_except("both-close", "slower-than-cache")
 def test_two_tp_ranks_agree_at_every_call_and_none_hangs(tmp_path, case, expected):
     """Two processes over gloo, a node each: one verdict for both at every call; the slowest rank counts (a
     cache never outvotes a slower measurement); a rank that raises, is off or fails its self-test keeps the

@@ -260,9 +260,8 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     arms = len(samplers[0])
     samples = [[[0.0] * arms for _ in contexts] for _ in range(ROUNDS)]
     for r, c, k in itertools.product(range(ROUNDS), range(len(contexts)), range(arms)):
-        samples[r][c][(r + k) % arms] = samplers[c][
-            (r + k) % arms
-        ]()  # interleaved, each round from another arm
+        i = (r + k) % arms  # interleaved: each round starts from another arm
+        samples[r][c][i] = samplers[c][i]()
     stock, ratios = summarise(samples)
     return stock, [ratios.pop(0) if r is not None else math.inf for r in routes]
 
@@ -306,6 +305,8 @@ def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple
             return why, list(NONE)
         began = time.perf_counter()
         tested = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
+        if not any(tested):  # nothing to time: no row, and a restart tests again
+            return router.failed.get(shape) or f"{NOT_MEASURED} (no FlyDSL candidate)", list(NONE)
         stock, ratios = figures(router, args, compress_ratio, bucket, tested)
         router.spent += time.perf_counter() - began
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock

@@ -23,6 +23,11 @@ wrapper does for what it refuses.
 * **built-in table**: the built-in table's rows (AMD's MI355X buckets and knobs,
   next_n up to 8, wg_per_cu 2 and 3) re-keyed to the case's GPU and shape.
 * **FlyDSL kernel raises**: from its second paged launch on.
+* **this node's measurement** (no table covers the shapes; the node cache in a private temporary
+  directory): a FlyDSL made slower than stock is kept on stock and one made faster taken, each timed once
+  per bucket (one untimed and :data:`~vllm_flydsl_indexer.measure.ROUNDS` timed launches) and cached as
+  measured; ``VLLM_FLYDSL_INDEXER_TUNE=0`` keeps stock and caches nothing; a cached row is honoured only
+  at the context it was timed at; a FlyDSL that fails its self-test is never timed nor cached.
 
 A step's written arm is for an API that takes the call; where the API's
 reference contract refuses it (or cannot launch the tuned row's knob) the step
@@ -39,16 +44,20 @@ disagreeing, by that name.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import io
 import logging
+import os
+import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from vllm_flydsl_indexer import selftest, tuning
+from vllm_flydsl_indexer import envs, measure, selftest, tuning
 from vllm_flydsl_indexer.kernels import TUNER_WG_PER_CU, cu_count
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.selftest import REAL_KERNEL_TOLERANCE, read_window_ends
@@ -76,9 +85,12 @@ __all__ = [
     "BEHAVIOURS",
     "Behaviour",
     "BehaviourResult",
+    "CACHED_ROWS",
     "CONTEXT_LEN",
     "HEADER",
     "I32_LIMIT",
+    "MEASURED",
+    "MEASURE_DELAY_S",
     "OTHER_GFX",
     "PlantedKernel",
     "Problems",
@@ -126,6 +138,14 @@ AITER_COLUMNS = (
     "gluon_us",
     "flydsl_us",
 )
+# A measured bucket's FlyDSL launches: one untimed (the compile), then one per round (one context: the
+# case's max_model_len is below AMD's tuner contexts).
+MEASURED = 1 + measure.ROUNDS
+# Made slower (or stock made slower): seconds added to each call, far above the reference arms' noise.
+MEASURE_DELAY_S = 0.004
+# The "cached" case's planted rows: (batch bucket, context_len), FlyDSL 2x faster; the first at a context
+# no call of the case has (never honoured), the second at the case's own.
+CACHED_ROWS = ((2, "999"), (4, str(CONTEXT_LEN)))
 # The in-memory table: (gfx, batch at least, next_n, backend, wg_per_cu), all at KVB 64; none for KVB 1.
 TABLE_GFX = "reference"
 OTHER_GFX = "gfx942"
@@ -185,6 +205,10 @@ class Behaviour:
     table: str = ""  # "check": check's in-memory table; "built-in": the built-in table's rows
     plain_stock: bool = False  # stock's hooks read every cache without Preshuffle
     shapes_only: bool = False  # the router's verdict on meta tensors; nothing launched
+    # This node's measurement decides (no table): "slower"/"faster" (FlyDSL made slower or faster than
+    # stock), "off" (VLLM_FLYDSL_INDEXER_TUNE=0), "cached" (off, over planted rows: CACHED_ROWS).
+    measure: str = ""
+    cached: tuple[str, ...] = ()  # the node cache's backends, by batch bucket, once the case has run
 
 
 # One row per case: cases of one kind share their shape, data, not code.
@@ -283,6 +307,36 @@ BEHAVIOURS = (
         self_test=True,
     ),
     Behaviour(
+        "measured: FlyDSL slower than stock",
+        (Step(2, 64, STOCK, MEASURED), Step(2, 64, STOCK, 0), Step(3, 64, STOCK, 0)),
+        measure="slower",
+        cached=("gluon",),
+    ),
+    Behaviour(
+        "measured: FlyDSL faster than stock",
+        (Step(2, 64, FLYDSL, MEASURED + 1), Step(3, 64, FLYDSL, 1), Step(4, 64, FLYDSL, MEASURED + 1)),
+        measure="faster",
+        cached=("flydsl", "flydsl"),
+    ),
+    Behaviour(
+        "measured: VLLM_FLYDSL_INDEXER_TUNE=0",
+        (Step(2, 64, STOCK, 0), Step(4, 64, STOCK, 0)),
+        measure="off",
+    ),
+    Behaviour(
+        "measured: cached rows at their own context only",
+        (Step(2, 64, STOCK, 0), Step(4, 64, FLYDSL, 1)),
+        measure="cached",
+        cached=("flydsl", "flydsl"),
+    ),
+    Behaviour(
+        "measured: a failed self-test is not cached",
+        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(4, 64, STOCK, 0)),
+        fault="wrong",
+        self_test=True,
+        measure="faster",
+    ),
+    Behaviour(
         "FlyDSL kernel raises",
         (
             Step(2, 64, FLYDSL, 1),
@@ -319,10 +373,12 @@ class PlantedKernel:
         self.launches = 0
         self.paged_launches = 0
         self.knobs: list[dict[str, object]] = []
+        self.delay = 0.0  # seconds added to each launch: a FlyDSL made slower
 
     def __call__(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         self.launches += 1
         self.knobs.append(dict(kwargs))
+        time.sleep(self.delay)
         if self.fault == "raises" and kv_cache.shape[1] > 1:
             self.paged_launches += 1
             if self.paged_launches > 1:
@@ -496,6 +552,47 @@ def run_behaviour(
 ) -> BehaviourResult:
     """``behaviour`` on a fresh router whose FlyDSL API is ``contract``'s reference."""
     result = BehaviourResult(behaviour, contract.name, [], [], [], [])
+    with contextlib.ExitStack() as stack:
+        if behaviour.measure:  # the node cache in a private temporary directory, never the user's
+            root = stack.enter_context(tempfile.TemporaryDirectory(prefix="vllm-flydsl-indexer-check-"))
+            stack.enter_context(_environment(VLLM_CACHE_ROOT=root, **{envs.TUNE: None}))
+        _run_behaviour(behaviour, contract, problems, device, topk, logger, result)
+    return result
+
+
+@contextlib.contextmanager
+def _environment(**values: str | None):
+    """``os.environ`` with ``values`` set (``None``: unset) inside, as it was after."""
+    before = {name: os.environ.get(name) for name in values}
+    try:
+        for name, value in values.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        yield
+    finally:
+        for name, value in before.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+
+
+def _node_cache(device: torch.device) -> tuple[str, object]:
+    """The node cache's key and path this process's router uses (the case's temporary directory)."""
+    key = measure.cache_key(device, "gfx950", cu_count(device))
+    return key, measure.cache_path("gfx950", cu_count(device), key) if key else None
+
+
+def _plant_rows(device: torch.device, heads: int, head_dim: int) -> None:
+    """:data:`CACHED_ROWS` in the node cache, as the plugin writes them."""
+    key, path = _node_cache(device)
+    rows = [
+        dict(zip(AITER_COLUMNS, ("gfx950", cu_count(device), batch, 1, heads, head_dim, 64, True, context,
+                                 "flydsl", 0, 0, 0, 5.0, 10.0, 5.0), strict=True))
+        for batch, context in CACHED_ROWS
+    ]  # fmt: skip
+    why = measure.write_cache(path, key, rows)
+    if why:
+        raise RuntimeError(f"the planted node cache was not written: {why}")
+
+
+def _run_behaviour(behaviour, contract, problems, device, topk, logger, result) -> None:
     try:
         workspace = Workspace(8, CONTEXT_LEN, device)
         stock = stock_call(reference_arms().gluon, workspace)
@@ -511,8 +608,20 @@ def run_behaviour(
             hooks = dataclasses.replace(hooks, preshuffle=lambda block_size: False)
         variant = dataclasses.replace(reference, fn=kernel)
         # tune=None: a shape the behaviour's table does not cover takes FlyDSL, never this node's measurement.
+        tune = None if not behaviour.measure else behaviour.measure in ("slower", "faster")
+        if behaviour.measure == "cached":
+            _plant_rows(device, heads, head_dim)
+        router_stock = stock
+        if behaviour.measure in ("slower", "faster"):
+            kernel.delay = MEASURE_DELAY_S if behaviour.measure == "slower" else 0.0
+            delay = MEASURE_DELAY_S if behaviour.measure == "faster" else 0.0
+
+            def router_stock(*args, delay=delay, **kwargs):  # stock as the router sees it, made slower
+                time.sleep(delay)
+                return stock(*args, **kwargs)
+
         router = FlyDSLRouter(
-            stock, variant, hooks, logger, table=table, self_test=behaviour.self_test, tune=None
+            router_stock, variant, hooks, logger, table=table, self_test=behaviour.self_test, tune=tune
         )
         tag = f"as {contract.name}"
         self_tested: set[tuple] = set()  # the shapes (and bounds) whose self-test ran
@@ -582,9 +691,17 @@ def run_behaviour(
                 agreement = compare_in_windows(expected, out, ends, topk)
                 if not agreement.ok(0.0):
                     result.problems.append(f"{where} did not return stock's answer ({agreement.describe()})")
+        if behaviour.measure:
+            _, path = _node_cache(device)
+            found = measure.load_cache(path, _node_cache(device)[0], "gfx950", cus)[0] if path else {}
+            backends = tuple(row["backend"] for _, row in sorted(found.items(), key=lambda kv: kv[0][1]))
+            if backends != behaviour.cached:
+                result.problems.append(
+                    f"as {contract.name}: the node cache holds {backends or 'nothing'}, "
+                    f"the case requires {behaviour.cached or 'nothing'}"
+                )
     except Exception as e:  # noqa: BLE001 - a case that cannot run fails; check goes on
         result.problems.append(f"as {contract.name}: the case raised {type(e).__name__}: {e}")
-    return result
 
 
 def table(results: list[BehaviourResult]) -> list[tuple[str, ...]]:
