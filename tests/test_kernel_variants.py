@@ -427,9 +427,9 @@ def test_a_raising_kernel_never_reaches_vllm(
 
     monkeypatch.setattr(importlib.metadata, "version", version)
     # A fresh once-only cache for this test (the real one is restored afterwards).
-    monkeypatch.setattr(
-        router_module, "_stack_versions", functools.cache(router_module._stack_versions.__wrapped__)
-    )
+    from vllm_flydsl_indexer import measure
+
+    monkeypatch.setattr(measure, "stack_versions", functools.cache(measure.stack_versions.__wrapped__))
 
     def raising(*a, **k):
         raised.append(1)
@@ -467,7 +467,8 @@ def test_a_raising_kernel_never_reaches_vllm(
     site(target.rocm_fp8_paged_mqa_logits, other_batch.call_args(), {"compress_ratio": 1})
     assert raised == ([1, 1] if scoped else [1])
     versions.clear()
-    assert router_module._stack_versions.__wrapped__() == "flydsl unknown, aiter unknown"
+    assert router_module._versions() == f"flydsl {flydsl}, aiter {aiter}"  # read once per process
+    assert {measure.stack_versions.__wrapped__()[k] for k in ("flydsl", "aiter")} == {"unknown"}
     # Another configuration still runs FlyDSL.
     router.variant = dataclasses.replace(router.variant, fn=real_fn)
     q = make_paged_problem([150, 9], next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)

@@ -512,17 +512,25 @@ TP_SCRIPT = textwrap.dedent(
         values = ("gfx950", 1, 2, 1, 64, 128, 64, True, "256", "flydsl", 0, 0, 0, 5.0, 10.0, 5.0)
         rows = [dict(zip(measure.tuning.COLUMNS, values[:2] + (b,) + values[3:])) for b in (2, 4)]
         assert measure.write_cache(measure.cache_path("gfx950", 1, key), key, rows) is None
+    if case == "absent":  # rank 1 never reaches the agreement: rank 0 gives up after AGREE_TIMEOUT_S
+        measure.AGREE_TIMEOUT_S = 2.0
+        if rank == 1:
+            time.sleep(30)
+            os._exit(0)
     h = dataclasses.replace(hooks(), tp_group=lambda: (dist.group.WORLD, rank))
     router = FlyDSLRouter(Arm({slow}), general_variant(flydsl), h, LOGGER, self_test=False, tune=tune)
     if rank == 1 and case == "selftest":
         router._tested = lambda *a: "planted self-test failure"
-    arms = []
+    arms, began = [], time.monotonic()
     for batch in (2, 2, 5, 3, 4):
         p = make_paged_problem([60] * batch, next_n=1, heads=64, head_dim=128, block_size=64, preshuffle=True,
                                max_model_len=256)
         taken = router.calls_taken
         router(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, p.max_model_len)
         arms.append("flydsl" if router.calls_taken > taken else "stock")
+    if case == "absent":
+        print(json.dumps({{"arms": arms, "after": 3.0, "seconds": time.monotonic() - began}}), flush=True)
+        os._exit(0)
     after = torch.tensor([rank + 1.0])
     dist.all_reduce(after, group=dist.group.WORLD)  # the group still answers
     print(json.dumps({{"arms": arms, "after": after.item()}}))
@@ -569,3 +577,31 @@ def test_two_tp_ranks_agree_at_every_call_and_none_hangs(tmp_path, case, expecte
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results[0]["arms"] == results[1]["arms"] == [expected] * 5, results
     assert results[0]["after"] == results[1]["after"] == 3.0
+
+
+def test_a_rank_that_never_reaches_the_agreement_is_given_up_on(tmp_path):
+    """Rank 1 never calls (stuck, or gone): rank 0 waits AGREE_TIMEOUT_S (2 s here) once, keeps stock with
+    one WARNING and never waits again; it is done while rank 1 still sleeps."""
+    import json
+    import subprocess
+    import sys
+
+    code = TP_SCRIPT.format(
+        tests=str(TESTS), store=str(tmp_path / "store"), cache=str(tmp_path), fast=FAST, slow=SLOW
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(rank), "absent"], env=simulation_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    try:
+        out, err = procs[0].communicate(timeout=120)
+        assert procs[1].poll() is None, "rank 1 woke up first: rank 0 waited on it"
+    finally:
+        procs[1].kill()
+        procs[1].communicate()
+    assert procs[0].returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["arms"] == ["stock"] * 5, result
+    warnings = [line for line in err.splitlines() if "agreement failed" in line]
+    assert len(warnings) == 1 and "timed out" in warnings[0], err[-3000:]

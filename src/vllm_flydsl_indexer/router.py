@@ -28,7 +28,6 @@ import torch
 from vllm_flydsl_indexer import measure, selftest
 from vllm_flydsl_indexer.envs import HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.kernels import (
-    AITER_DISTRIBUTIONS,
     BLOCK_OUTER_NOTE,
     ENTRY_NAME,
     TUNER_WG_PER_CU,
@@ -36,7 +35,6 @@ from vllm_flydsl_indexer.kernels import (
     cu_count,
     describe,
     explicit_split_kv,
-    installed_version,
     shape_of,
 )
 from vllm_flydsl_indexer.target import StockHooks, multi_row_objection
@@ -142,10 +140,8 @@ class Route:
     ready: bool = False  # compiled outside capture and announced: the plain fast path applies
 
 
-@functools.cache
-def _stack_versions() -> str:
-    """``flydsl X, aiter Y`` from the installed distributions; read once, lazily."""
-    return f"flydsl {installed_version(('flydsl',))}, aiter {installed_version(AITER_DISTRIBUTIONS)}"
+def _versions() -> str:
+    return "flydsl {flydsl}, aiter {aiter}".format(**measure.stack_versions())
 
 
 def _is_capturing() -> bool:
@@ -172,7 +168,7 @@ class FlyDSLRouter:
         self.original, self.variant, self.hooks, self.logger = original, variant, hooks, logger
         self.is_capturing, self.table, self.self_test = is_capturing, table, self_test
         # Shapes no table covers: None, FlyDSL (no table at all); True, measured (measure.py); False, stock.
-        self.tune, self.gfx, self.node, self.spent = tune, gfx, None, 0.0
+        self.tune, self.gfx, self.node, self.spent, self.gave_up = tune, gfx, None, 0.0, None
         self.verdicts: dict[tuple, tuple | str] = {}  # (shape key, batch bucket) -> measured pick or reason
         self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
@@ -272,18 +268,23 @@ class FlyDSLRouter:
         its first eager call, whatever it holds (a table, a cache, a measurement, ``TUNE=0``, a failed
         self-test or measurement: the rules before it read only shapes). One MAX over each candidate's
         time over stock's (``inf``: not this one), so the slowest rank counts and a cache never outvotes a
-        measurement. The wait is bounded by ``measure.AGREE_TIMEOUT_S``: a rank given up on keeps stock."""
+        measurement. The wait is bounded by ``measure.AGREE_TIMEOUT_S``: past it this rank keeps stock for
+        every signature not yet agreed and never waits on the group again (a late peer's operation still
+        pairs with the one left pending, so the group's order of operations holds)."""
         try:
+            if self.gave_up:  # a peer missed an agreement: never wait on the group again
+                return self.gave_up
             reduced = torch.tensor(ratios, dtype=torch.float64)
             work = torch.distributed.all_reduce(
                 reduced, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True
             )
             work.wait(timedelta(seconds=measure.AGREE_TIMEOUT_S))
             taken = measure.settle(reduced.tolist())
-        except Exception as e:  # noqa: BLE001 - no agreement: stock on this rank
+        except Exception as e:  # noqa: BLE001 - no agreement: stock on this rank, for good
             why = f"the TP group's agreement failed ({type(e).__name__}: {e})"
-            self.logger.warning("%s %s; this batch stays stock", HEAD, why)
-            return f"{measure.NOT_MEASURED} ({why})"
+            self.logger.warning("%s %s; every batch not yet agreed stays stock", HEAD, why)
+            self.gave_up = f"{measure.NOT_MEASURED} ({why})"
+            return self.gave_up
         if taken is not None:
             return None if local is None else (taken, *local[1:])
         if isinstance(local, str) or (local is not None and local[0] == "gluon"):
@@ -404,7 +405,7 @@ class FlyDSLRouter:
             )
             line = (
                 f"{self.variant.location} ({describe(route.shape)}) rejected a call's arguments: "
-                f"{type(e).__name__}: {e} ({_stack_versions()}). Calls of this signature use the stock path "
+                f"{type(e).__name__}: {e} ({_versions()}). Calls of this signature use the stock path "
                 "until vLLM restarts; the rest of this shape is unaffected."
             )
             self.logger.error_once("%s %s", HEAD, line, scope="process")
@@ -448,5 +449,5 @@ class FlyDSLRouter:
         self.failed[shape] = f"FlyDSL for {describe(shape)} earlier {problem}"
         self.compiled.discard(shape)
         self.routes.clear()  # every memoised route of this shape now says stock
-        where = f"{self.variant.location} ({describe(shape)}) {problem} ({_stack_versions()})"
+        where = f"{self.variant.location} ({describe(shape)}) {problem} ({_versions()})"
         self.logger.error("%s %s. %s.", HEAD, where, STAYS_STOCK)

@@ -81,30 +81,24 @@ class TunedTable:
     origin: str = "env"  # "env", "built-in" or "node"
     shapes: dict[tuple, dict[int, list[tuple[str, int]]]] = field(default_factory=dict)
     skipped: int = 0  # rows the lookup cannot use (any gfx)
-    _picks: dict[tuple, tuple | None] = field(default_factory=dict, repr=False)
 
     def cu_counts(self) -> set[int]:
         return {shape[0] for shape in self.shapes}
 
     def choice(self, cus: int, batch: int, next_n: int, heads: int, head_dim: int, block_size: int):
-        """``(backend, bucket, wg_per_cu, conflict)`` for the call, or ``None`` where no row covers it
-        (memoised). ``conflict``: why the bucket's FlyDSL rows cannot be launched as one measurement."""
-        args = (cus, batch, next_n, heads, head_dim, block_size)
-        if args not in self._picks:
-            buckets = self.shapes.get((cus, next_n, heads, head_dim, block_size), {})
-            tuned = [b for b in buckets if b <= batch]
-            pick = None
-            if tuned:
-                measured = buckets[max(tuned)]
-                knobs = sorted({knob for _, knob in measured})
-                backends = {backend for backend, _ in measured}
-                if len(backends) > 1 or "gluon" in backends:
-                    pick = ("gluon", max(tuned), 0, None)
-                else:
-                    conflict = f"its FlyDSL rows disagree on wg_per_cu ({knobs})" if len(knobs) > 1 else None
-                    pick = (backends.pop(), max(tuned), knobs[0], conflict)
-            self._picks[args] = pick
-        return self._picks[args]
+        """``(backend, bucket, wg_per_cu, conflict)`` for the call, or ``None`` where no row covers it (the
+        router memoises it per call signature). ``conflict``: why the bucket's FlyDSL rows cannot be launched
+        as one measurement."""
+        buckets = self.shapes.get((cus, next_n, heads, head_dim, block_size), {})
+        tuned = [b for b in buckets if b <= batch]
+        if not tuned:
+            return None
+        measured = buckets[max(tuned)]
+        knobs, backends = sorted({knob for _, knob in measured}), {backend for backend, _ in measured}
+        if len(backends) > 1 or "gluon" in backends:
+            return "gluon", max(tuned), 0, None
+        conflict = f"its FlyDSL rows disagree on wg_per_cu ({knobs})" if len(knobs) > 1 else None
+        return backends.pop(), max(tuned), knobs[0], conflict
 
 
 def parse(text: str, gfx: str, name: str, origin: str = "env") -> TunedTable | str:
