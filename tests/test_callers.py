@@ -172,3 +172,144 @@ def test_audit_table_names_every_caller_and_refuses_multi_row_from_glm5next():
     assert multi_row_objection(TARGET_MODULE) is None and multi_row_objection(DSV41) is None
     assert "pool-granular" in multi_row_objection(GLM5NEXT)
     assert "not audited (unknown)" in multi_row_objection(None)
+
+
+# Issue 49 item 9: the callers' own code is held to the audit, as the target's is.
+
+CALLER = "rocm_aiter_sparse_attn_indexer"
+# The audited call passes vLLM's native table; the plant passes it compressed (as a ratio-4 layer's would be).
+NATIVE_BOUNDS = "            decode_metadata.seq_lens,\n            decode_metadata.block_table,\n"
+COMPRESSED_BOUNDS = "            decode_metadata.seq_lens // 4,\n            decode_metadata.block_table,\n"
+UNAUDITED = (
+    f"next_n > 1 from {TARGET_MODULE}: its bounds are unaudited: its {CALLER} is none of the audited "
+    "releases' code"
+)
+
+
+def planted_caller(target, tmp_path, how: str):
+    """The defining module's indexer op, changed ``how``: compiled, decorator and all, from a copy of the
+    module's source over a copy of its globals, so its code says where it came from (or nothing)."""
+    import ast
+    from pathlib import Path
+
+    source = Path(target.__file__).read_text()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == CALLER)
+    lines = source.splitlines(keepends=True)
+    start, end = node.decorator_list[0].lineno - 1, node.end_lineno
+    body = "".join(lines[start:end])
+    assert body.count(NATIVE_BOUNDS) == 1
+    if how == "compressed bounds":
+        body = body.replace(NATIVE_BOUNDS, COMPRESSED_BOUNDS)
+    text = "".join(lines[:start]) + body + "".join(lines[end:])
+    path = tmp_path / "rocm_aiter_mla_sparse.py"
+    path.write_text(text)
+    filename = str(path) if how == "compressed bounds" else "<vllm built elsewhere>"  # no source to read
+    namespace = dict(vars(target))
+    tree = ast.parse(text)
+    (planted,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == CALLER]
+    exec(compile(ast.Module([planted], []), filename, "exec"), namespace)  # noqa: S102
+    return namespace[CALLER]
+
+
+def mtp_problem(next_n: int):
+    """A fresh random problem, native bounds, 32 heads, KVBlockSize 64."""
+    import random
+
+    gen = torch.Generator().manual_seed(random.randrange(2**32))
+    lens = torch.randint(next_n, 400, (3,), generator=gen).tolist() + [0]
+    return make_paged_problem(
+        lens, next_n=next_n, heads=32, head_dim=128, block_size=64, preshuffle=True, generator=gen
+    )
+
+
+def call_from_indexer_module(target, installed, p) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stock's answer and the patched call's from code in the defining module, each on a poisoned
+    workspace; they agree on every column read."""
+    rows, args = p.batch * p.next_n, p.call_args()
+    poison_workspace(rows, p.max_model_len)
+    stock = installed.original(*args, compress_ratio=1).clone()
+    poison_workspace(rows, p.max_model_len)
+    site = call_site_in(importlib.import_module(TARGET_MODULE))
+    out = site(target.rocm_fp8_paged_mqa_logits, args, {"compress_ratio": 1}).clone()
+    ends = read_window_ends(p.context_lens, rows, p.next_n)
+    result = compare_in_windows(stock, out, ends, topk=64)
+    assert result.nan_free and result.ok(0), result.describe()
+    return stock, out
+
+
+@pytest.mark.parametrize("how", ["compressed bounds", "no readable source"])
+def test_a_changed_indexer_keeps_next_n_above_1_stock_from_its_module(
+    target, workspace, aiter_calls, plugin_log, monkeypatch, tmp_path, fresh_register, how
+):
+    """The defining module's indexer op edited to pass compressed (B, next_n) bounds keeps the target's
+    fingerprint, so the plugin installs; its own fingerprint is no audited release's (or its source cannot
+    be read: never raises), so next_n > 1 from its module stays stock with one reason, which the target gate
+    states at install, while next_n == 1 from it is still taken."""
+    from vllm_flydsl_indexer import envs, gates, patch
+    from vllm_flydsl_indexer.target import caller_release
+
+    monkeypatch.setattr(target, CALLER, planted_caller(target, tmp_path, how))
+    assert caller_release(TARGET_MODULE) is None and multi_row_objection(TARGET_MODULE) == UNAUDITED
+    monkeypatch.setenv(envs.SWITCH, "1")
+    fresh_register()
+    installed = patch.installed()
+    assert installed is not None, [r.getMessage() for r in plugin_log]
+    detail = dict((g[0], g[2]) for g in gates.evaluate().gates)["target"]
+    assert detail.endswith(f"is vLLM {gates.vllm_version()}'s audited code; {UNAUDITED}"), detail
+    for _ in range(2):
+        aiter_calls.clear()
+        call_from_indexer_module(target, installed, mtp_problem(2))
+        assert arms(aiter_calls) == ["gluon", "gluon"]  # stock's answer, and the call's: stock
+    reasons = [r.getMessage() for r in plugin_log if "stock path for this call" in r.getMessage()]
+    assert len(reasons) == 1 and UNAUDITED in reasons[0], reasons
+    aiter_calls.clear()
+    call_from_indexer_module(target, installed, mtp_problem(1))
+    assert arms(aiter_calls) == ["gluon", "gluon", "flydsl", "flydsl"]  # stock; self-test, then the call
+
+
+def test_the_audited_indexer_is_still_taken_at_next_n_above_1(
+    target, workspace, aiter_calls, plugin_log, installed
+):
+    """The same call from the unedited module: its code is this release's, FlyDSL takes next_n 2."""
+    from vllm_flydsl_indexer import gates
+    from vllm_flydsl_indexer.target import CALLER_CODE, caller_release
+
+    assert caller_release(TARGET_MODULE) == gates.vllm_version().split("+")[0]
+    assert caller_release(TARGET_MODULE) in CALLER_CODE[TARGET_MODULE][1].values()
+    assert multi_row_objection(TARGET_MODULE) is None
+    detail = dict((g[0], g[2]) for g in gates.evaluate().gates)["target"]
+    assert detail.endswith("audited code"), detail
+    for _ in range(2):
+        aiter_calls.clear()
+        call_from_indexer_module(target, installed, mtp_problem(2))
+        assert "flydsl" in arms(aiter_calls) and arms(aiter_calls)[-1] == "flydsl", arms(aiter_calls)
+    assert installed.router.calls_taken == 2
+
+
+@pytest.mark.parametrize("how", ["compressed bounds", "unedited"])
+def test_check_requires_what_the_plugin_does_with_vllms_own_indexer(
+    target, workspace, monkeypatch, tmp_path, how
+):
+    """check, on vLLM's own function and call sites: where the indexer op is not an audited release's code,
+    its next_n 2 case requires stock (and gets stock's answer), not FlyDSL; next_n 1 still requires FlyDSL.
+    The unedited op's next_n 2 case requires FlyDSL. A call site this vLLM lacks is a stand-in of the
+    audited one (its code counts as theirs), as every call site of the mirror is."""
+    import random
+
+    from vllm_flydsl_indexer.tools import arms, check
+    from vllm_flydsl_indexer.tools.cases import Case, build_problem
+    from vllm_flydsl_indexer.tools.paths import build_paths
+
+    if how != "unedited":
+        monkeypatch.setattr(target, CALLER, planted_caller(target, tmp_path, how))
+    cpu = torch.device("cpu")
+    found = arms.detect_arms(cpu)
+    paths = build_paths(found, cpu, 16, 512)
+    assert paths.uses_vllm and not paths.stand_in(TARGET_MODULE) and paths.stand_in("vllm.not_a_call_site")
+    gen = torch.Generator().manual_seed(random.randrange(2**32))
+    with paths.session():
+        for next_n in (2, 1):
+            wanted = "stock" if next_n > 1 and how != "unedited" else "FlyDSL"
+            case = Case(32, 128, 64, next_n, 3, 512, label=f"next_n={next_n}")
+            result = check.run_case(case, build_problem(case, gen, cpu), paths, found, 64, paths.router)
+            assert (result.expected, result.arm, result.ok, result.nan_free) == (wanted, wanted, True, True)

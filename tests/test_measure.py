@@ -533,7 +533,7 @@ TP_SCRIPT = textwrap.dedent(
         os._exit(0)
     after = torch.tensor([rank + 1.0])
     dist.all_reduce(after, group=dist.group.WORLD)  # the group still answers
-    print(json.dumps({{"arms": arms, "after": after.item()}}))
+    print(json.dumps({{"arms": arms, "after": after.item(), "seconds": round(time.monotonic() - began, 2)}}))
     dist.destroy_process_group()
     """
 )
@@ -577,6 +577,7 @@ def test_two_tp_ranks_agree_at_every_call_and_none_hangs(tmp_path, case, expecte
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results[0]["arms"] == results[1]["arms"] == [expected] * 5, results
     assert results[0]["after"] == results[1]["after"] == 3.0
+    print(f"{case}: the five calls took {max(r['seconds'] for r in results)} s on the slower rank")
 
 
 def test_a_rank_that_never_reaches_the_agreement_is_given_up_on(tmp_path):

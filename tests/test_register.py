@@ -52,10 +52,13 @@ def test_active_under_gfx950_simulation_logs_one_line(target, original, installe
     assert vars(target)[TARGET] is original
 
 
-def test_register_reads_vllms_target_once(target, original, monkeypatch, fresh_register, plugin_log):
+def test_register_reads_vllms_target_once(
+    target, original, monkeypatch, fresh_register, plugin_log, workspace, aiter_calls
+):
     """vLLM's target source is read and parsed once per process (issue 43): the target gate's
-    fingerprint, and the hooks it resolved are what the install uses. A later evaluation (doctor in the
-    same process) reads nothing again."""
+    fingerprint and its caller's (one file), and the hooks it resolved are what the install uses. A later
+    evaluation (doctor in the same process) reads nothing again, nor do the next_n 2 calls from that
+    caller, whose route looks its fingerprint up (issue 49)."""
     import ast
 
     from vllm_flydsl_indexer import target as target_module
@@ -67,7 +70,7 @@ def test_register_reads_vllms_target_once(target, original, monkeypatch, fresh_r
         target_module, "read_capped", lambda path, *a: reads.append(path) or read_capped(path, *a)
     )
     monkeypatch.setattr(ast, "parse", lambda *a, **k: parsed.append(1) or parse(*a, **k))
-    target_module.fingerprint.cache_clear()  # as in a fresh process
+    target_module._defs.cache_clear()  # as in a fresh process
     monkeypatch.setenv(envs.SWITCH, "1")
     fresh_register()
     installed = patch.installed()
@@ -75,6 +78,16 @@ def test_register_reads_vllms_target_once(target, original, monkeypatch, fresh_r
     assert reads == [source] and len(parsed) == 1, (reads, parsed)
     assert installed.router.hooks.per_sequence_lens is target._per_sequence_context_lens
     assert gates.evaluate(full=True).gates == gates.evaluate().gates
+    assert reads == [source] and len(parsed) == 1, (reads, parsed)
+    from vllm_flydsl_indexer.tools.paths import call_site_in
+    from vllm_flydsl_indexer.tools.reference import make_paged_problem
+
+    lens = [random.randrange(2, 300) for _ in range(3)]
+    p = make_paged_problem(lens, next_n=2, heads=32, head_dim=128, block_size=64, preshuffle=True)
+    site = call_site_in(target)  # code in the defining module, as its indexer op calls the target
+    for _ in range(3):
+        site(vars(target)[TARGET], p.call_args(), {"compress_ratio": 1})
+    assert installed.router.calls_taken == 3 and aiter_calls[-1][0] == "flydsl", aiter_calls
     assert reads == [source] and len(parsed) == 1, (reads, parsed)
 
 

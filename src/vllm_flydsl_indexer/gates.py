@@ -145,6 +145,8 @@ def check_target(allow_untested: bool) -> tuple[Gate, ModuleType | None, target.
     except Exception as e:  # noqa: BLE001
         return ("target", False, f"{where}: {type(e).__name__}: {e}"), None, None
     how = f"is vLLM {audited[0]}'s audited code" if audited else f"is unaudited; {ALLOWED} is set"
+    if target.caller_release(target.TARGET_MODULE) is None:  # its caller's code read now, once per process
+        how += f"; {target.multi_row_objection(target.TARGET_MODULE)}"
     return ("target", True, f"{where} has the supported signature and {how}"), module, hooks
 
 

@@ -57,6 +57,7 @@ MAX_EXTRA_BYTES = 64 * 2**20
 # A peer that has not reached the agreement by then is given up on (the bucket stays stock on this rank);
 # long enough for the slowest rank's first compile, self-test and measurement of the bucket.
 AGREE_TIMEOUT_S = 300.0
+TRITON = ("triton", "pytorch-triton-rocm")  # Gluon's compiler: Triton's distributions
 CACHE_DIR = "flydsl_indexer"
 CACHE_FORMAT = 2
 KEY_PREFIX = f"{tuning.COMMENT} vllm-flydsl-indexer node cache keyed on: "  # a cache file's first line
@@ -82,8 +83,7 @@ def contexts_of(max_model_len: int) -> str:
 @functools.cache
 def stack_versions() -> dict[str, str]:
     """What builds the two arms: aiter, flydsl, vLLM, torch and Triton (``unknown`` where unreadable)."""
-    names = {"aiter": AITER_DISTRIBUTIONS, "flydsl": ("flydsl",), "vllm": ("vllm",)}
-    names["triton"] = ("triton", "pytorch-triton-rocm")
+    names = {"aiter": AITER_DISTRIBUTIONS, "flydsl": ("flydsl",), "vllm": ("vllm",), "triton": TRITON}
     return {"torch": torch.__version__, **{what: installed_version(n) for what, n in names.items()}}
 
 
@@ -107,18 +107,16 @@ def _row_key(row: dict, gfx: str, cus: int) -> tuple | str:
     """A cached row's ``(shape key, bucket, contexts)``, or why it is corrupt."""
     found = tuning.usable_row(row)
     try:
-        us, gluon_us, flydsl_us = (float(row[c]) for c in ("us", "gluon_us", "flydsl_us"))
+        us, gluon, flydsl = (float(row[c]) for c in ("us", "gluon_us", "flydsl_us"))
     except (KeyError, TypeError, ValueError):
         return "a row without its figures"
     if found is None or found[0] != gfx or found[1][0] != cus:
         return "a row the lookup cannot use, or for another GPU"
-    if not all(math.isfinite(f) and f > 0 for f in (us, gluon_us, flydsl_us)):
-        return f"figures that are not positive finite times ({us}, {gluon_us}, {flydsl_us})"
-    taken = flydsl_us * MARGIN <= gluon_us * (1 + TOLERANCE)
-    if taken != (found[3] != "gluon") or not math.isclose(
-        us, (gluon_us, flydsl_us)[taken], rel_tol=TOLERANCE
-    ):
-        return f"a {found[3]} row whose figures say otherwise (us {us}, gluon {gluon_us}, flydsl {flydsl_us})"
+    if not all(math.isfinite(f) and f > 0 for f in (us, gluon, flydsl)):
+        return f"figures that are not positive finite times ({us}, {gluon}, {flydsl})"
+    taken = flydsl * MARGIN <= gluon * (1 + TOLERANCE)
+    if taken != (found[3] != "gluon") or not math.isclose(us, (gluon, flydsl)[taken], rel_tol=TOLERANCE):
+        return f"a {found[3]} row whose figures say otherwise (us {us}, gluon {gluon}, flydsl {flydsl})"
     return found[1], found[2], row.get("context_len", "")
 
 
@@ -219,14 +217,11 @@ def summarise(samples: list[list[list[float]]]) -> tuple[float, list[float]]:
     """``samples[round][context]``: each arm's seconds, stock first. Stock's median time (geomean over the
     contexts) and each candidate's median round of its time over stock's."""
 
-    def geomean(values) -> float:
-        return math.exp(statistics.fmean(map(math.log, values)))
+    def median_round(of) -> float:  # the median over rounds of the geomean over contexts
+        return statistics.median(math.exp(statistics.fmean(math.log(of(c)) for c in r)) for r in samples)
 
-    stock = statistics.median(geomean(c[0] for c in r) for r in samples)
-    arms = len(samples[0][0])
-    return stock, [
-        statistics.median(geomean(c[i] / c[0] for c in r) for r in samples) for i in range(1, arms)
-    ]
+    stock = median_round(lambda c: c[0])
+    return stock, [median_round(lambda c, i=i: c[i] / c[0]) for i in range(1, len(samples[0][0]))]
 
 
 def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list) -> tuple[float, list[float]]:
@@ -239,9 +234,7 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     if rows * heads * (head_dim + 4) + bucket * most * 4 > MAX_EXTRA_BYTES:
         raise MemoryError(f"the timing problem needs more than {MAX_EXTRA_BYTES >> 20} MiB")
     rng = torch.Generator(device=device).manual_seed(bucket)  # never the global or device default
-    qb = torch.randint(
-        1, 64, (bucket, next_n, heads, head_dim), dtype=torch.uint8, device=device, generator=rng
-    )
+    qb = torch.randint(1, 64, (bucket, next_n, heads, head_dim), device=device, generator=rng).byte()
     wb = torch.rand(rows, heads, device=device, generator=rng)
     timed, samplers = [r for r in routes if r is not None], []
     for context in contexts:
@@ -315,10 +308,10 @@ def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple
         return f"{NOT_MEASURED} (the measurement raised {type(e).__name__})", list(NONE)
     pick, us, best = settle(ratios) or "gluon", stock * 1e6, min(ratios)
     if rank0:
-        timed = ", ".join(
-            f"{b} {us * r:.2f} us" for b, r in zip(BACKENDS, ratios, strict=True) if r < math.inf
+        timed = [f"{b} {us * r:.2f} us" for b, r in zip(BACKENDS, ratios, strict=True) if r < math.inf]
+        line = (
+            f"measured {name} on this GPU (gluon {us:.2f} us, {', '.join(timed)}; median of {ROUNDS} rounds)"
         )
-        line = f"measured {name} on this GPU (gluon {us:.2f} us, {timed}; median of {ROUNDS} rounds)"
         router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick)
     row = dict(zip(tuning.COLUMNS, (
         router.gfx, cus, bucket, *at[0][1:], at[0][4] > 1, at[2], pick, 0, 0, 0,

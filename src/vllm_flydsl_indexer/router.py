@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from vllm_flydsl_indexer import measure, selftest
 from vllm_flydsl_indexer.envs import HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE
@@ -235,12 +236,11 @@ class FlyDSLRouter:
         line, if none of its rows are for this CU count), else this node's cache or measurement."""
         q, kv, w, lens, bt, _, max_model_len = args
         table, cus = self.table, cu_count(q.device)
-        if table is not None and cus not in table.cu_counts():
-            level = logging.INFO if table.origin == "built-in" else logging.WARNING
-            counts = sorted(table.cu_counts())
+        if table is not None and cus not in (counts := sorted(table.cu_counts())):
             line = (
                 f"{table.name} has {table.gfx} rows for CU count(s) {counts}, none for this GPU's {cus} CUs"
             )
+            level = logging.INFO if table.origin == "built-in" else logging.WARNING
             self.logger.log(level, "%s %s", TABLE_IGNORED_LINE, line)
             self.table = table = None
         batch, next_n, heads, head_dim = q.shape
@@ -275,9 +275,7 @@ class FlyDSLRouter:
             if self.gave_up:  # a peer missed an agreement: never wait on the group again
                 return self.gave_up
             reduced = torch.tensor(ratios, dtype=torch.float64)
-            work = torch.distributed.all_reduce(
-                reduced, op=torch.distributed.ReduceOp.MAX, group=group, async_op=True
-            )
+            work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
             work.wait(timedelta(seconds=measure.AGREE_TIMEOUT_S))
             taken = measure.settle(reduced.tolist())
         except Exception as e:  # noqa: BLE001 - no agreement: stock on this rank, for good

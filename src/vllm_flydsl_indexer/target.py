@@ -4,7 +4,8 @@
 The router launches FlyDSL with what the original passes Gluon, so the original must be audited code
 (``docs/vllm-audit.md``): :func:`fingerprint` hashes its syntax tree, :data:`AUDITED` holds one per release.
 :func:`vllm_stock_hooks` resolves every vLLM name the router uses at install; :data:`MULTI_ROW` names the
-call sites audited to pass vLLM's native ``(B, next_n)`` bounds. No vLLM at import.
+call sites audited to pass vLLM's native ``(B, next_n)`` bounds, and :data:`CALLER_CODE` holds their own code
+to the audit, fingerprinted as the target is. No vLLM at import.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import os
 import stat
@@ -104,17 +106,27 @@ def _canonical(node: object) -> str:
 
 
 @functools.cache
-def fingerprint(filename: str, first_line: int, name: str = TARGET_NAME) -> str:
-    """SHA-256 of the ``def name`` at ``first_line`` of ``filename``, docstring left out. Read once per
-    process; raises ``OSError``, ``SyntaxError``, ``UnicodeDecodeError`` or ``LookupError``."""
+def _defs(filename: str) -> dict[tuple[str, int], str]:
+    """The SHA-256 of each top-level ``def`` of ``filename`` (its syntax tree, docstring left out), by its
+    name and each of its lines (its own and its decorators'). Read and parsed once per process (the target
+    and its caller share a file); raises ``OSError``, ``SyntaxError`` or ``UnicodeDecodeError``."""
+    found = {}
     for node in ast.parse(read_capped(filename)).body:
-        lines = (node.lineno, *(d.lineno for d in getattr(node, "decorator_list", ())))
-        if isinstance(node, ast.FunctionDef) and node.name == name and first_line in lines:
+        if isinstance(node, ast.FunctionDef):
             body = node.body
             if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 node.body = body[1:]  # the docstring
-            return hashlib.sha256(_canonical(node).encode()).hexdigest()
-    raise LookupError(f"no def {name} at line {first_line} of {filename}")
+            digest = hashlib.sha256(_canonical(node).encode()).hexdigest()
+            found.update({(node.name, n.lineno): digest for n in (node, *node.decorator_list)})
+    return found
+
+
+def fingerprint(filename: str, first_line: int, name: str = TARGET_NAME) -> str:
+    """SHA-256 of the ``def name`` at ``first_line`` of ``filename`` (:func:`_defs`); raises ``OSError``,
+    ``SyntaxError``, ``UnicodeDecodeError`` or ``LookupError``."""
+    if (digest := _defs(filename).get((name, first_line))) is None:
+        raise LookupError(f"no def {name} at line {first_line} of {filename}")
+    return digest
 
 
 def fingerprint_of(fn: Callable) -> str:
@@ -205,10 +217,38 @@ MULTI_ROW: dict[str, str | None] = {
 }
 
 
+# What the ``None`` call sites of MULTI_ROW are trusted for is their own code: each one's function that calls
+# the target, and its fingerprint (:func:`fingerprint`) per audited release. tests/test_drift.py recomputes
+# each from its release; deepseek_v41's module is new in 0.33.0 and unchanged in 0.34.0.
+CALLER_CODE: dict[str, tuple[str, dict[str, str]]] = {
+    TARGET_MODULE: ("rocm_aiter_sparse_attn_indexer", {
+        "3c38d086bac65cfeafbc58cf683e1a0b1c1af87e803a2c6536cd4c891f3ec776": "0.32.0",
+        "b1f1d00f03bf5a94344ee04a33db46721107e4500726e258168de1289bc4b88c": "0.33.0",
+        "6b3d485946759b135c9237d7072a3d0358d58ff0d19138b2ddecdadcdc38adb2": "0.34.0",
+    }),
+    "vllm.models.deepseek_v41.amd.ops.sparse_indexer": ("_decode_step", {
+        "ccfcddb8db5a36b26983c5eaccc62fc5e06007a751ba47fb27eec98bd4d618b2": "0.33.0, 0.34.0",
+    }),
+}  # fmt: skip
+
+
+def caller_release(caller: str) -> str | None:
+    """The audited releases whose code ``caller``'s function in :data:`CALLER_CODE` is, or ``None`` (not
+    importable, its source unreadable, other code). Never raises. Its source is read once per process, at
+    install for the target's own module (:func:`_defs`' cache): a route built later only looks it up."""
+    try:
+        name, releases = CALLER_CODE[caller]
+        return releases.get(fingerprint_of(inspect.unwrap(getattr(importlib.import_module(caller), name))))
+    except Exception:  # noqa: BLE001 - a caller whose code cannot be read is not audited
+        return None
+
+
 def multi_row_objection(caller: str | None) -> str | None:
     """Why FlyDSL may not take a ``next_n > 1`` call from ``caller``, or ``None``."""
     if caller not in MULTI_ROW:
         unaudited = f"a caller this package has not audited ({caller or 'unknown'})"
         return f"next_n > 1 from {unaudited}: only next_n == 1 is always safe"
     why = MULTI_ROW[caller]
+    if why is None and caller_release(caller) is None:
+        why = f"unaudited: its {CALLER_CODE[caller][0]} is none of the audited releases' code"
     return None if why is None else f"next_n > 1 from {caller}: its bounds are {why}"

@@ -10,20 +10,22 @@
 Also the stock copy: this package's copy of vLLM's gfx950 branches of the
 target (:func:`stock_call`, :func:`mirror_hooks`; the same in effect in vLLM
 0.33.0 and 0.34.0), which :mod:`vllm_flydsl_indexer.tools.paths` uses where
-vLLM's own function would not run aiter's Gluon kernel.
+vLLM's own function would not run aiter's Gluon kernel; its call sites are
+stand-ins of the audited ones (:func:`simulated_callers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from vllm_flydsl_indexer import target
 from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
 from vllm_flydsl_indexer.router import FlyDSLRouter
 from vllm_flydsl_indexer.target import TARGET_MODULE, StockHooks
@@ -60,6 +62,7 @@ __all__ = [
     "raw_launch",
     "reference_arms",
     "reference_variant",
+    "simulated_callers",
     "stock_call",
     "variant_order",
 ]
@@ -333,6 +336,24 @@ def patched_call(arms: Arms, workspace: Workspace, logger: logging.Logger | None
     )
 
 
+@contextlib.contextmanager
+def simulated_callers() -> Iterator[None]:
+    """While open, the audited multi-row call sites (``target.CALLER_CODE``) count as an audited release's
+    code without being read: the mirror's callers are stand-ins of theirs, as its stock copy is of the
+    target (the plugin reads vLLM's own, ``target.caller_release``; without vLLM none could be read)."""
+    real = target.caller_release
+    target.caller_release = lambda caller: "the mirror's stand-in" if caller in target.CALLER_CODE else None
+    try:
+        yield
+    finally:
+        target.caller_release = real
+
+
 def from_defining_module(router: FlyDSLRouter) -> Callable[..., torch.Tensor]:
-    """The router as the defining module's own indexer calls it (the mirror's call site)."""
-    return functools.partial(router.call_from, TARGET_MODULE)
+    """The router as the defining module's own indexer calls it (the mirror's call site, a stand-in)."""
+
+    def call(*args, **kwargs) -> torch.Tensor:
+        with simulated_callers():
+            return router.call_from(TARGET_MODULE, *args, **kwargs)
+
+    return call

@@ -40,6 +40,7 @@ from vllm_flydsl_indexer.tools.arms import (
     Workspace,
     c4a_route_reference,
     mirror_hooks,
+    simulated_callers,
     stock_call,
 )
 from vllm_flydsl_indexer.tools.harness import plugin_logger
@@ -87,7 +88,8 @@ class Paths:
     _modules: dict[str, ModuleType] = dataclasses.field(default_factory=dict)
 
     def session(self) -> contextlib.AbstractContextManager:
-        """Open while running cases: vLLM's workspace and kernel lookups set up, then restored."""
+        """Open while running cases: vLLM's workspace and kernel lookups set up, then restored (the mirror:
+        its call sites' code counts as audited, :func:`simulated_callers`)."""
         return self._session()
 
     def caller(self, name: str) -> ModuleType:
@@ -110,11 +112,23 @@ class Paths:
         stock = self.stock
         return lambda *args, **kwargs: site(stock, args, kwargs)
 
+    def stand_in(self, caller: str) -> bool:
+        """Is ``caller``'s module here a stand-in (no vLLM, or a call site this vLLM lacks)? A stand-in plays
+        the audited releases' call site, so its code counts as theirs (:func:`simulated_callers`)."""
+        return getattr(self.caller(caller), "__file__", None) is None
+
     def patched_from(self, caller: str, router: FlyDSLRouter | None = None) -> Callable[..., torch.Tensor]:
         """The patched function as code in module ``caller`` calls it."""
         wrapper = patch.wrap(self.stock, router or self.router)
         site = call_site_in(self.caller(caller))
-        return lambda *args, **kwargs: site(wrapper, args, kwargs)
+        if not (self.uses_vllm and self.stand_in(caller)):  # the mirror's session simulates its callers
+            return lambda *args, **kwargs: site(wrapper, args, kwargs)
+
+        def call(*args, **kwargs) -> torch.Tensor:  # a call site this vLLM lacks (0.32.0's DeepSeek-V4.1)
+            with simulated_callers():
+                return site(wrapper, args, kwargs)
+
+        return call
 
     def with_dcp(self, router: FlyDSLRouter, world_size: int) -> contextlib.AbstractContextManager:
         """``router`` seeing decode context parallel size ``world_size`` (a simulation)."""
@@ -230,7 +244,7 @@ def build_paths(
         workspace = Workspace(max_rows, max_model_len, device)
         stock = stock_call(arms.gluon, workspace)
         hooks = mirror_hooks(workspace)
-        session = contextlib.nullcontext
+        session = simulated_callers  # the mirror's call sites are stand-ins, as its stock copy is
         label = f"this package's stock copy of vLLM's gfx950 branches ({why})"
 
     def make_router(**kwargs) -> FlyDSLRouter:
