@@ -23,7 +23,7 @@ from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
 # 23 model and bounds cases, 13 router-behaviour cases for each of 2 APIs, 3 agreement self-tests.
-ALL_PASS = "52 passed, 0 failed"
+ALL_PASS = "62 passed, 0 failed"
 
 
 def run_check(capsys, argv=SMALL) -> tuple[int, str]:

@@ -142,7 +142,7 @@ AITER_COLUMNS = (
 # case's max_model_len is below AMD's tuner contexts).
 MEASURED = 1 + measure.ROUNDS
 # Made slower (or stock made slower): seconds added to each call, far above the reference arms' noise.
-MEASURE_DELAY_S = 0.004
+MEASURE_DELAY_S = 0.02
 # The "cached" case's planted rows: (batch bucket, context_len), FlyDSL 2x faster; the first at a context
 # no call of the case has (never honoured), the second at the case's own.
 CACHED_ROWS = ((2, "999"), (4, str(CONTEXT_LEN)))
