@@ -132,9 +132,12 @@ MUTATIONS = {
         "max_model_len, compress_ratio,",
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
+    # Trusting the kpool caller takes both of its audits away (issue 49: MULTI_ROW names its bounds, and
+    # CALLER_CODE would hold its code): a MULTI_ROW entry alone made None is still kept stock by the second.
     "kpool caller trusted with next_n > 1": (
-        '"vllm.models.glm5next.amd.sparse_indexer": "pool-granular',
-        '"vllm.models.glm5next.amd.sparse_indexer": None and "pool-granular',
+        "    why = MULTI_ROW[caller]\n    if why is None and caller_release(caller) is None:",
+        '    why = None if "glm5next" in caller else MULTI_ROW[caller]\n'
+        '    if why is None and caller_release(caller) is None and "glm5next" not in caller:',
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     # The router-behaviour cases (tools/behaviour.py): each builds its own router.

@@ -160,6 +160,17 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
     assert "router behaviour, a fresh router per case and API" in proc.stdout
     assert "even where real kernels exist" in proc.stdout
     assert "check [" in proc.stderr  # progress bar
+    if machine == "no-vllm":  # a fresh venv's, as the README's example is: each of its lines is real output
+        example = readme_check_example()
+        assert example[-1] == proc.stdout.splitlines()[-1], example[-1]
+        assert [line for line in example if line not in proc.stdout.splitlines()] == []
+
+
+def readme_check_example() -> list[str]:
+    """The lines of the README's example of ``check`` in a fresh venv, but its ``...``."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = text.split("### check:", 1)[1].split("```\n", 2)[1]
+    return [line for line in block.splitlines() if line != "..."]
 
 
 @pytest.mark.slow
@@ -543,8 +554,31 @@ def test_running_out_of_memory_is_one_line_not_a_traceback(command, monkeypatch,
 
 
 def test_missing_command_is_one_line_naming_the_commands(capsys):
+    """The usage line names every subcommand the parser has (issue 50: it once left out tune)."""
+    import argparse
+
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+
+    parser = cli_mod.build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == ["doctor", "check", "bench", "tune"]
     line = rejected([], capsys)
-    assert line == "vllm-flydsl-indexer: error: the following arguments are required: {doctor,check,bench}"
+    assert (
+        line == "vllm-flydsl-indexer: error: the following arguments are required: {doctor,check,bench,tune}"
+    )
+    assert parser.format_usage().startswith("usage: vllm-flydsl-indexer [-h] {doctor,check,bench,tune} ...")
+
+
+@pytest.mark.parametrize(
+    "argv, unknown",
+    [
+        (["tune", "--model", "deepseek_v32", "--maxbatch", "2"], "--maxbatch 2"),
+        (["doctor", "--jsn"], "--jsn"),
+    ],
+)
+def test_an_unknown_flag_is_named_with_the_subcommand_it_follows(argv, unknown, capsys):
+    line = rejected(argv, capsys)
+    assert line == f"vllm-flydsl-indexer {argv[0]}: error: unrecognized arguments: {unknown}"
 
 
 CONSOLE_BAD_INPUT = [
@@ -657,12 +691,12 @@ def test_check_next_n_1_runs_no_next_n_2_case_and_says_which_it_left_out(capsys)
     out = capsys.readouterr().out
     assert rc == 0, out
     rows = [line for line in out.splitlines() if line.endswith(("PASS", "FAIL"))]
-    # 9 cases, then the 13 router-behaviour cases of each of 2 APIs, then 3 agreement self-tests.
-    assert len(rows) == 9 + 26 + 3 and all(r.endswith("PASS") for r in rows), out
+    # 9 cases, then the 18 router-behaviour cases of each of 2 APIs, then 3 agreement self-tests.
+    assert len(rows) == 9 + 36 + 3 and all(r.endswith("PASS") for r in rows), out
     assert "next_n=2" not in "\n".join(rows) and "(B, 2)" not in "\n".join(rows)
     notes = [line for line in out.splitlines() if line.startswith("note: --next-n 1")]
     assert len(notes) == 1 and "the 7 bounds cases of MTP (next_n > 1) were not run" in notes[0]
-    assert out.splitlines()[-1] == "38 passed, 0 failed (reference contracts, not the real kernels)"
+    assert out.splitlines()[-1] == "48 passed, 0 failed (reference contracts, not the real kernels)"
 
 
 def test_bounds_cases_of_mtp_run_at_the_largest_next_n_given():

@@ -243,3 +243,404 @@ def test_a_model_id_reads_its_config_from_the_local_hugging_face_cache(tmp_path)
     done = run_python(code, env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "('glm_moe_dsa', {'model_type': 'glm_moe_dsa', 'index_n_heads': 32})"
+
+
+# ---------------------------------------------------------------- issue 50: never a cache it did not write
+# In this process (the suite's gfx950 simulation with vLLM): each run takes about a second, none a subprocess.
+
+
+def tune_here(argv: list[str], capsys) -> tuple[int, str, list[str]]:
+    """``tune`` in this process: its status, its stdout and its own stderr lines (no progress bar)."""
+    from vllm_flydsl_indexer.tools import cli
+
+    try:
+        status = cli.main(["tune", *argv])
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err, out.err
+    return status, out.out, [line for line in out.err.splitlines() if line.startswith("vllm-flydsl-indexer")]
+
+
+@pytest.fixture
+def here(tmp_path, monkeypatch):
+    """This process's cache root (the test's own), no table, and a record of each bucket's problem built."""
+    from vllm_flydsl_indexer.tools import tune_model
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.delenv("VLLM_FLYDSL_INDEXER_TUNED_CSV", raising=False)
+    built = []
+    real = tune_model.make_paged_problem
+
+    def recorded(*args, **kwargs):
+        built.append(kwargs["next_n"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tune_model, "make_paged_problem", recorded)
+    return built
+
+
+def cache_file_here() -> Path:
+    """The node cache file this process's plugin reads and writes (the simulation: 1 CU, device cpu)."""
+    import torch
+
+    from vllm_flydsl_indexer import measure
+
+    return measure.cache_path("gfx950", 1, measure.cache_key(torch.device("cpu"), "gfx950", 1))
+
+
+def temporaries(tmp_path: Path) -> list[Path]:
+    return [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+
+
+LONG = "x" * 300  # a path component longer than any filesystem's 255
+
+
+@pytest.mark.parametrize(
+    "make, says",
+    [
+        (lambda root: root.write_text("a file"), "NotADirectoryError"),
+        (lambda root: root.symlink_to(root.parent / "nowhere"), "FileExistsError"),
+        (lambda root: root.symlink_to(root), "Too many levels of symbolic links"),
+        (lambda root: root.mkdir(mode=0o777) or root.chmod(0o777), None),  # made below: open to others
+        (lambda root: None, "File name too long"),
+    ],
+    ids=["a regular file", "a dangling link", "a link loop", "a directory others can write", "a long name"],
+)
+def test_a_cache_root_that_cannot_be_written_is_one_line_exit_1_before_anything_is_measured(
+    make, says, tmp_path, here, monkeypatch, capsys
+):
+    root = tmp_path / (LONG if says == "File name too long" else "root")
+    make(root)
+    if says is None:  # the cache's own directory is there, writable by everyone: the writer refuses it
+        (root / "flydsl_indexer").mkdir(mode=0o777)
+        (root / "flydsl_indexer").chmod(0o777)
+        says = "is not a directory of this user's that only it can write"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    status, out, err = tune_here(["--model", "deepseek_v32", "--max-batch", "2"], capsys)
+    assert (status, out) == (1, "")
+    (line,) = err
+    assert line.startswith("vllm-flydsl-indexer tune: nothing measured, since nothing could be cached: ")
+    assert says in line and "VLLM_CACHE_ROOT=" in line, line
+    assert here == [] and temporaries(tmp_path) == []
+
+
+def test_an_unknown_user_in_the_cache_root_is_one_line_naming_it(here, monkeypatch, capsys):
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "~no-such-user-here/cache")
+    status, out, err = tune_here(["--model", "deepseek_v32", "--max-batch", "1"], capsys)
+    assert (status, out, here) == (1, "", [])
+    assert err == [
+        "vllm-flydsl-indexer tune: nothing measured, since nothing could be cached: "
+        "VLLM_CACHE_ROOT='~no-such-user-here/cache': RuntimeError: Could not determine home directory."
+    ]
+
+
+def test_a_directory_in_the_cache_files_place_is_refused_before_any_work(tmp_path, here, capsys):
+    cache_file_here().mkdir(parents=True)
+    status, out, err = tune_here(["--model", "deepseek_v32", "--max-batch", "2"], capsys)
+    assert (status, out, here) == (1, "", [])
+    assert err == [
+        "vllm-flydsl-indexer tune: nothing measured, since nothing could be cached: "
+        f"{cache_file_here()} is a directory, which the cache file cannot replace"
+    ]
+    assert temporaries(tmp_path) == []
+
+
+def test_a_stack_whose_versions_cannot_be_read_is_refused_before_any_work(here, monkeypatch, capsys):
+    """On a GPU a version that cannot be read keys no cache: every bucket would be measured for nothing."""
+    from vllm_flydsl_indexer import measure
+
+    monkeypatch.setattr(measure, "cache_key", lambda device, gfx, cus: None)
+    versions = {"torch": "2.9", "aiter": "unknown", "flydsl": "unknown", "vllm": "0.33.0", "triton": "3.4"}
+    monkeypatch.setattr(measure, "stack_versions", lambda: versions)
+    status, out, err = tune_here(["--model", "deepseek_v32", "--max-batch", "1"], capsys)
+    assert (status, out, here) == (1, "", [])
+    assert err == [
+        "vllm-flydsl-indexer tune: nothing measured, since nothing could be cached: the cache is keyed on "
+        "the stack's versions, and aiter, flydsl cannot be read here"
+    ]
+
+
+def test_rows_the_cache_lost_during_the_run_are_reported_not_cached_and_exit_1(
+    tmp_path, here, monkeypatch, capsys
+):
+    """A directory takes the cache file's place after the first bucket was written: neither bucket is in the
+    cache at the end, each says so, the last line says why (the plugin's writer's reason), exit 1, and no
+    temporary file is left."""
+    from vllm_flydsl_indexer.tools import tune_model
+
+    recorded = tune_model.make_paged_problem
+
+    def then_a_directory(*args, **kwargs):
+        if len(here) == 1:  # the first bucket is measured and written by now
+            assert cache_file_here().is_file()
+            cache_file_here().unlink()
+            cache_file_here().mkdir()
+        return recorded(*args, **kwargs)
+
+    monkeypatch.setattr(tune_model, "make_paged_problem", then_a_directory)
+    status, out, err = tune_here(["--model", "deepseek_v32", "--max-batch", "2"], capsys)
+    assert status == 1 and len(here) == 2, err
+    rows = table_rows(out)
+    assert [r[6] for r in rows] == [tune_model.NOT_CACHED] * 2
+    last = out.splitlines()[-1]
+    assert last.startswith(f"node cache: {cache_file_here()}: NOT written: IsADirectoryError: "), last
+    assert last.endswith("2 of the 2 bucket(s) measured now are not cached, so serving measures them again")
+    assert temporaries(tmp_path) == []
+
+
+def test_a_row_another_writer_merged_away_is_written_again(tmp_path, here, monkeypatch, capsys):
+    """The cache has no lock: a concurrent run's merge can drop this run's row. tune reads every row back
+    and writes the missing ones again, so the file ends with each bucket it measured."""
+    from vllm_flydsl_indexer import tuning
+    from vllm_flydsl_indexer.tools import tune_model
+
+    recorded = tune_model.make_paged_problem
+
+    def merged_away(*args, **kwargs):
+        if len(here) == 1:  # the first bucket's row, gone as a racing merge would leave the file
+            key = cache_file_here().read_text().partition("\n")[0]
+            cache_file_here().write_text(f"{key}\n{','.join(tuning.COLUMNS)}\n")
+        return recorded(*args, **kwargs)
+
+    monkeypatch.setattr(tune_model, "make_paged_problem", merged_away)
+    status, out, _ = tune_here(["--model", "deepseek_v32", "--max-batch", "2"], capsys)
+    assert status == 0
+    rows = table_rows(out)
+    assert [r[6] for r in rows] == [MEASURED] * 2
+    with open(cache_file_here(), newline="") as f:
+        f.readline()
+        assert sorted(int(r["batch_size"]) for r in csv.DictReader(f)) == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "heads, head_dim, max_batch, says",
+    [
+        (4096, 16384, None, "--model {model}: heads=4096 head_dim=16384: batch 1 at next_n 1 needs 64 MiB"),
+        (1024, 4096, "64", "argument --max-batch: must be at most 8 for heads=1024 head_dim=4096: batch 16"),
+    ],
+    ids=["nothing fits", "larger batches do not"],
+)
+def test_a_config_too_large_to_measure_is_refused_before_any_work(
+    heads, head_dim, max_batch, says, tmp_path, here, monkeypatch, capsys
+):
+    """Refused before anything is allocated: a run that got as far as its cache pool or a problem would hold
+    gigabytes (issue 50: 19.5 GB, then the OOM killer)."""
+    from vllm_flydsl_indexer.tools import tune_model
+
+    for name in ("_pool", "make_paged_problem"):
+        monkeypatch.setattr(tune_model, name, lambda *a, name=name, **k: pytest.fail(f"{name} was reached"))
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "deepseek_v32", "index_n_heads": heads, "index_head_dim": head_dim}
+    (model / "config.json").write_text(json.dumps(config))
+    status, out, err = tune_here(
+        ["--model", str(model), *(["--max-batch", max_batch] if max_batch else [])], capsys
+    )
+    assert (status, out) == (2, "")
+    (line,) = err
+    assert line.startswith("vllm-flydsl-indexer tune: error: " + says.format(model=model)), line
+    assert "over the measurement's 64 MiB" in line
+    assert not (tmp_path / "cache").exists()
+
+
+def test_an_allocation_failure_is_one_line_exit_1(here, monkeypatch, capsys):
+    from vllm_flydsl_indexer.tools import tune_model
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError(
+            "DefaultCPUAllocator: can't allocate memory: you tried to allocate 17179869184 bytes."
+        )
+
+    monkeypatch.setattr(tune_model, "make_paged_problem", out_of_memory)
+    status, _, err = tune_here(["--model", "deepseek_v32", "--max-batch", "1"], capsys)
+    assert status == 1
+    assert err == [
+        "vllm-flydsl-indexer tune: error: out of memory (DefaultCPUAllocator: can't allocate memory: you "
+        "tried to allocate 17179869184 bytes.); try a smaller --max-batch or --next-n"
+    ]
+
+
+# -------------------------------------------------------------- issue 50: doctor tells the node cache's state
+
+
+def doctor_text(environ: dict) -> tuple[dict, list[str]]:
+    from vllm_flydsl_indexer.tools import doctor
+
+    data = doctor.report(environ)
+    return data, doctor.render(data).split("\n")
+
+
+def cache_lines(lines: list[str]) -> list[str]:
+    """The node cache's lines of doctor's text: from ``uncovered shapes:`` to the blank line after it."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("uncovered shapes:"))
+    return lines[start : lines.index("", start)]
+
+
+def test_doctor_tells_each_cache_files_usable_rows_or_the_plugins_reason_to_ignore_it(tmp_path, monkeypatch):
+    """Every kind of file the plugin ignores, named with the WARNING text the plugin logs for it (measure.py's
+    words), a header-only cache as empty (not ignored), and a good file with its usable rows beside the one
+    row the plugin skips."""
+    import torch
+
+    from vllm_flydsl_indexer import measure, tuning
+    from vllm_flydsl_indexer.tools.settings import TUNE_MODEL_CPU_MAX_MODEL_LEN
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    key = measure.cache_key(torch.device("cpu"), "gfx950", 1)
+    good = measure.cache_path("gfx950", 1, key)
+    context = measure.contexts_of(TUNE_MODEL_CPU_MAX_MODEL_LEN)
+    rows = [
+        dict(zip(tuning.COLUMNS, (*head, context, "flydsl", 0, 0, 0, 10.0, 37.0, 10.0), strict=True))
+        for head in (("gfx950", 1, 2, 1, 64, 128, 64, True), ("gfx950", 1, 4, 1, 64, 128, 64, True))
+    ]
+    assert measure.write_cache(good, key, rows) is None
+    with open(good, "a") as f:  # a row for a 256-CU GPU in this 1-CU file
+        f.write(f"gfx950,256,8,1,64,128,64,True,{context},flydsl,0,0,0,10.0,37.0,10.0\n")
+    directory = good.parent
+
+    def named(cus: int, text: str) -> Path:
+        import hashlib
+
+        return (
+            directory
+            / f"paged_mqa_logits_gfx950_{cus}cu_{hashlib.sha256(text.encode()).hexdigest()[:16]}.csv"
+        )
+
+    (named(1, "garbage")).write_text("not a key line\nx,y\n")
+    (named(2, "empty")).write_bytes(b"")
+    (named(3, "binary")).write_bytes(b"\xff\xfe\x00\x01" * 64)
+    (named(4, "a directory")).mkdir()
+    os.mkfifo(named(5, "a fifo"))
+    header_only = named(6, key.replace("cus=1", "cus=6"))
+    header_only.write_text(f"{key.replace('cus=1', 'cus=6')}\n{','.join(tuning.COLUMNS)}\n")
+    data, lines = doctor_text({"VLLM_CACHE_ROOT": str(tmp_path / "cache")})
+    lines = cache_lines(lines)
+    assert lines[1] == f"node cache: {directory} (7 file(s); writable)"
+    said = {line.split(":", 1)[0].strip(): line for line in lines[2:] if line.startswith("  paged")}
+    ignored = [line.removeprefix("    ignored by the plugin: ") for line in lines if line.startswith("    ")]
+    assert (
+        said[good.name] == f"  {good.name}: 2 usable row(s); keyed on: {key.removeprefix(measure.KEY_PREFIX)}"
+    )
+    assert f"{good} line 5: a row the lookup cannot use, or for another GPU" in ignored
+    assert f"{named(1, 'garbage')} is keyed on another stack ('not a key line')" in ignored
+    assert f"{named(2, 'empty')} is keyed on another stack ('')" in ignored
+    assert any(w.startswith(f"{named(3, 'binary')}: UnicodeDecodeError: ") for w in ignored), ignored
+    assert (
+        f"{named(4, 'a directory')}: OSError: {named(4, 'a directory')} is a directory, not a regular file"
+        in ignored
+    )
+    assert any(w.startswith(f"{named(5, 'a fifo')}: OSError: ") for w in ignored), ignored
+    assert said[header_only.name] == f"  {header_only.name}: no rows yet"
+    assert len(ignored) == 6
+    files = {Path(f["path"]).name: f for f in data["node_cache"]["files"]}
+    assert files[good.name]["usable_rows"] == 2 and len(files[good.name]["problems"]) == 1
+
+
+@pytest.mark.parametrize(
+    "root, says",
+    [
+        (lambda tmp: tmp / "a-file", "NotADirectoryError: [Errno 20] Not a directory"),
+        (lambda tmp: tmp / ("y" * 300), "File name too long"),
+        (lambda tmp: tmp / "loop", "Too many levels of symbolic links"),
+        (lambda tmp: "~no-such-user-here", "RuntimeError: Could not determine home directory."),
+    ],
+    ids=["a regular file", "a long name", "a link loop", "an unknown user"],
+)
+def test_a_cache_root_that_cannot_be_used_is_one_doctor_line_naming_it_exit_0_strict_1(
+    root, says, tmp_path, monkeypatch, capsys
+):
+    from vllm_flydsl_indexer import envs
+    from vllm_flydsl_indexer.tools import doctor
+
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root(tmp_path)))
+    monkeypatch.setenv(envs.SWITCH, "1")  # FlyDSL active in the simulation: only the cache fails --strict
+    monkeypatch.delenv(envs.TUNED_CSV, raising=False)
+    assert doctor.main(as_json=False, strict=False) == 0
+    out = capsys.readouterr()
+    (line,) = [line for line in cache_lines(out.out.splitlines()) if line.startswith("node cache:")]
+    assert says in line and "VLLM_CACHE_ROOT='" in line and "Traceback" not in out.err, line
+    assert doctor.main(as_json=True, strict=True) == 1
+    out = capsys.readouterr()
+    assert json.loads(out.out)["arm"] == "flydsl"
+    (strict,) = out.err.splitlines()
+    assert strict.startswith("doctor --strict: this node's cache cannot be written (") and says in strict
+
+
+def test_doctor_judges_a_missing_cache_without_making_it(tmp_path):
+    _, lines = doctor_text({"VLLM_CACHE_ROOT": str(tmp_path / "new")})
+    assert cache_lines(lines)[1] == f"node cache: {tmp_path}/new/flydsl_indexer (0 file(s); writable)"
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "flydsl_indexer").mkdir(mode=0o777)
+    (tmp_path / "new" / "flydsl_indexer").chmod(0o777)
+    _, lines = doctor_text({"VLLM_CACHE_ROOT": str(tmp_path / "new")})
+    assert cache_lines(lines)[1].endswith(
+        f"NOT writable: {tmp_path}/new/flydsl_indexer is not a directory of this user's that only it can "
+        f"write (VLLM_CACHE_ROOT='{tmp_path}/new'))"
+    )
+    assert list((tmp_path / "new" / "flydsl_indexer").iterdir()) == []  # its probe left nothing
+
+
+def test_an_echoed_newline_stays_inside_its_line_in_doctor_and_tune(tmp_path, here, monkeypatch, capsys):
+    from vllm_flydsl_indexer.tools import doctor
+
+    root = tmp_path / "a\nb"
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(root))
+    assert doctor.main(as_json=False, strict=False) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert cache_lines(lines)[1] == f"node cache: {tmp_path}/a\\nb/flydsl_indexer (0 file(s); writable)"
+    status, out, err = tune_here(["--model", "deepseek_v32", "--max-batch", "1"], capsys)
+    assert status == 0, (out, err)
+    assert out.splitlines()[-1].startswith(f"node cache: {tmp_path}/a\\nb/flydsl_indexer/"), out
+
+
+def test_an_empty_cache_root_is_named_as_read(tmp_path):
+    """vLLM reads an empty VLLM_CACHE_ROOT as the current directory; the plugin as unset: doctor says so."""
+    _, lines = doctor_text({"VLLM_CACHE_ROOT": "", "XDG_CACHE_HOME": str(tmp_path)})
+    assert (
+        "  note: VLLM_CACHE_ROOT is empty (vLLM reads that as the current directory; the plugin as unset)"
+        in (cache_lines(lines))
+    )
+    assert f"node cache: {tmp_path}/vllm/flydsl_indexer (0 file(s); writable)" in lines
+
+
+TUNE_VARIABLE, SELFTEST_VARIABLE = "VLLM_FLYDSL_INDEXER_TUNE", "VLLM_FLYDSL_INDEXER_SELFTEST"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{TUNE_VARIABLE: "on"}, {TUNE_VARIABLE: "2"}, {SELFTEST_VARIABLE: "maybe", TUNE_VARIABLE: "enabled"}],
+)
+def test_doctors_log_line_is_the_line_register_logs(bad, monkeypatch, target, fresh_register, plugin_log):
+    """A malformed VLLM_FLYDSL_INDEXER_TUNE or _SELFTEST: register() adds its warning to its line; doctor's
+    "log line" is that line, word for word, and its text shows the note."""
+    from vllm_flydsl_indexer import envs
+
+    monkeypatch.setenv(envs.SWITCH, "1")
+    monkeypatch.delenv(envs.TUNED_CSV, raising=False)
+    for name, value in bad.items():
+        monkeypatch.setenv(name, value)
+    fresh_register()
+    (logged,) = [r.getMessage() for r in plugin_log if r.getMessage().startswith(envs.ACTIVE_LINE)]
+    data, lines = doctor_text(dict(os.environ))
+    assert data["log_line"] == logged and f"log line: {logged}" in lines
+    for name, value in bad.items():
+        assert f"{name}={value!r} is not one of" in logged
+    assert f"  note: {TUNE_VARIABLE}={bad[TUNE_VARIABLE]!r} is not one of 1/0/true/false" in " ".join(lines)
+
+
+def test_doctors_text_shows_a_bad_tune_variable_where_register_reads_none(monkeypatch):
+    """Switch off: register() logs the bare line, and doctor's text still shows the note --json has."""
+    data, lines = doctor_text({TUNE_VARIABLE: "yes please"})
+    assert data["node_cache"]["error"] and "[" not in data["log_line"]
+    assert f"  note: {data['node_cache']['error']}" in lines
+
+
+def test_doctor_names_unset_and_off_values_as_they_are(tmp_path):
+    _, lines = doctor_text({"VLLM_FLYDSL_INDEXER_TUNED_CSV": "OFF"})
+    text = "\n".join(lines)
+    assert f"({SELFTEST_VARIABLE} is not set)" in text and "=None" not in text
+    assert "no table (VLLM_FLYDSL_INDEXER_TUNED_CSV=OFF)" in text and "TUNED_CSV=none" not in text

@@ -657,6 +657,24 @@ def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plug
     assert refused.value.code == 2 and why in capsys.readouterr().err
 
 
+def test_doctor_names_each_row_of_a_table_whose_every_row_is_unusable(tmp_path):
+    """Issue 50: the reasons once showed only beside a usable row; the user whose every row is refused,
+    who needs them most, got none."""
+    from vllm_flydsl_indexer.tools import doctor
+
+    path = tmp_path / "tuned.csv"
+    path.write_text(table_text(row(cu=256, wg="three"), row(cu=256, batch="eight")))
+    data = doctor.report({envs.SWITCH: "1", envs.TUNED_CSV: str(path)})
+    (ignored,) = data["tuned_table"]["ignored"]
+    assert ignored["note"].startswith(f"IGNORED: {path}: 2 rows, 2 unusable")
+    lines = doctor.render(data).split("\n")
+    start = lines.index(f"tuned table: {path}: {ignored['note']}")
+    assert lines[start + 1 : start + 3] == [
+        f"  skipped by the plugin: {path}: line 2, column wg_per_cu: 'three' is not an integer",
+        f"  skipped by the plugin: {path}: line 3, column batch_size: 'eight' is not an integer",
+    ]
+
+
 def test_describe_reports_every_bucket_of_its_own_shape_and_never_raises():
     """doctor's per-shape buckets are the shape's own, whatever rows a table was built from."""
     table = parse(row(cu=256, batch=1, backend="gluon"), row(cu=256, batch=64), row(cu=256, kvb=1, batch=8))

@@ -36,7 +36,12 @@ OWN_GETTER = "_vllm_flydsl_indexer_getter"
 
 
 def cache_root(environ: dict[str, str] | None = None) -> Path:
-    """vLLM's cache root, as ``vllm.envs.VLLM_CACHE_ROOT`` reads it (no vLLM import)."""
+    """vLLM's cache root, as ``vllm.envs.VLLM_CACHE_ROOT`` reads a non-empty value (no vLLM import).
+
+    Not quite as vLLM reads it: an empty ``VLLM_CACHE_ROOT`` or ``XDG_CACHE_HOME`` counts as unset here
+    (vLLM reads an empty root as the current directory, so its cache lands wherever a process starts), and
+    a ``~user`` of no such user raises ``RuntimeError`` here (``Path.expanduser``) where vLLM keeps the text.
+    """
     env = os.environ if environ is None else environ
     default = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
     return Path(env.get("VLLM_CACHE_ROOT") or default).expanduser()

@@ -321,5 +321,5 @@ def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple
         router.node[2][at] = row  # every candidate timed: the bucket's other batches reuse it
         why = router.node[0] and write_cache(router.node[0], router.node[1], [row])
         if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
-            router.logger.warning("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
+            router.logger.warning_once("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
     return (pick, bucket, 0, None, row["source"]), ratios

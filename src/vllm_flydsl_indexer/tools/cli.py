@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog=settings.PROG,
         description="vLLM gfx950 indexer decode logits on aiter's FlyDSL kernel: diagnose, verify, measure.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,check,bench}", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="which arm vLLM would run here, gate by gate, and why")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
             f"{settings.STOP_TUNE_MODEL}",
         )
     )
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # the usage line and its errors name every command
     return parser
 
 
@@ -80,8 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     command = "?"
     with streams.guarded() as (out, _), vllm_import.net():  # whatever vLLM's import raises is reported
         try:
-            args = build_parser().parse_args(argv)
+            args, unknown = build_parser().parse_known_args(argv)
             command = args.command
+            if unknown:  # named by the command they follow, as its own parser would
+                settings.fail(f"{settings.PROG} {command}", f"unrecognized arguments: {' '.join(unknown)}")
             status: int | SystemExit = _interruptible(args)
         except SystemExit as e:  # argparse, --help, settings.fail: their status, after the check below
             status = e
@@ -121,18 +124,20 @@ def _run(args: argparse.Namespace) -> int:
         problem = cli_args.tune_model_problem(args)  # before torch, aiter or vLLM is imported
         if problem is not None:
             settings.fail(f"{settings.PROG} tune", problem)
-        from vllm_flydsl_indexer.tools import tune_model
+        from vllm_flydsl_indexer.tools import tune_model as command
 
-        return tune_model.main(args)
-    problem = cli_args.validate(args)
-    if problem is not None:
-        settings.fail(f"{settings.PROG} {args.command}", problem)
-    if args.command == "check":
-        from vllm_flydsl_indexer.tools import check as command
-    elif args.tune_path:
-        from vllm_flydsl_indexer.tools import tune as command
+        smaller = "--max-batch or --next-n"
     else:
-        from vllm_flydsl_indexer.tools import bench as command
+        problem = cli_args.validate(args)
+        if problem is not None:
+            settings.fail(f"{settings.PROG} {args.command}", problem)
+        if args.command == "check":
+            from vllm_flydsl_indexer.tools import check as command
+        elif args.tune_path:
+            from vllm_flydsl_indexer.tools import tune as command
+        else:
+            from vllm_flydsl_indexer.tools import bench as command
+        smaller = "--batch, --context-len or --next-n"
     try:
         return command.main(args)
     except (MemoryError, RuntimeError) as e:
@@ -141,8 +146,7 @@ def _run(args: argparse.Namespace) -> int:
         if not isinstance(e, MemoryError) and "out of memory" not in text and "can't allocate" not in text:
             raise
         print(
-            f"{settings.PROG} {args.command}: error: out of memory ({text[:200]}); "
-            "try a smaller --batch, --context-len or --next-n",
+            f"{settings.PROG} {args.command}: error: out of memory ({text[:200]}); try a smaller {smaller}",
             file=sys.stderr,
         )
         return 1

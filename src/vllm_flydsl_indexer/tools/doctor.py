@@ -7,12 +7,17 @@ same wording, and never raises: every probe failure becomes a line.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import json
 import os
 import platform
+import re
+import stat
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 from typing import Any
 
 from vllm_flydsl_indexer import envs, gates, measure, tuning
@@ -29,20 +34,28 @@ from vllm_flydsl_indexer.tools.models import (
     REPORT_NEXT_NS,
     eligible_configs,
 )
+from vllm_flydsl_indexer.tools.streams import safe_line, shown
 
 __all__ = [
+    "CACHE_ROOT",
     "NOT_INSTALLED",
     "PACKAGES",
     "RAY_NON_CARRY_OVER_FILE",
+    "cache_dir",
+    "cache_dir_problem",
+    "cache_root_named",
     "describe",
     "flydsl_requirement_report",
     "kernel_report",
     "layout_report",
     "main",
+    "node_cache_report",
     "package_version",
     "platform_report",
     "ray_non_carry_over_report",
+    "register_line",
     "render",
+    "render_node_cache",
     "report",
     "stock_report",
     "table_report",
@@ -137,7 +150,10 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
         if not isinstance(table, str):
             break
         name = tuning.BUILTIN_LABEL if origin == "built-in" else path  # as the reader names a table
-        ignored.append({"source": name, "origin": origin, "note": f"IGNORED: {table}; next source tried"})
+        # Each row the plugin could not use, with its line, column and reason, as for a table in use.
+        rows = [why for why in tuned.row_problems(path) if why.startswith(f"{path}: line ")]
+        note = f"IGNORED: {table}; next source tried"
+        ignored.append({"source": name, "origin": origin, "note": note, "skipped": rows})
     skipped = tuned.row_problems(path) if table.skipped else []
     shapes = describe(table)
     for shape in shapes:
@@ -173,30 +189,148 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     }
 
 
+CACHE_ROOT = "VLLM_CACHE_ROOT"
+# A node cache file's name (measure.cache_path): gfx, CU count, the first 16 hex digits of its key's sha256.
+CACHE_NAME = re.compile(r"paged_mqa_logits_(\w+?)_(\d+)cu_([0-9a-f]{16})\.csv")
+
+
+def cache_root_named(environ: dict[str, str] | None = None) -> str:
+    """``VLLM_CACHE_ROOT`` as a line names it: its value escaped and shortened, or that it is unset or
+    empty (vLLM reads an empty one as the current directory; the plugin as unset, never wherever a process
+    starts)."""
+    raw = (os.environ if environ is None else environ).get(CACHE_ROOT)
+    if raw is None:
+        return f"{CACHE_ROOT} is not set"
+    if not raw:
+        return f"{CACHE_ROOT} is empty (vLLM reads that as the current directory; the plugin as unset)"
+    return f"{CACHE_ROOT}={shown(raw)}"
+
+
+def cache_dir(environ: dict[str, str] | None = None) -> tuple[Path | None, str | None]:
+    """The node cache's directory, or ``(None, why)`` when the cache root cannot even be named (a ``~user``
+    that does not exist); the reason names ``VLLM_CACHE_ROOT``."""
+    try:
+        return envs.cache_root(environ) / measure.CACHE_DIR, None
+    except (OSError, RuntimeError, KeyError) as e:
+        return None, f"{cache_root_named(environ)}: {type(e).__name__}: {e}"
+
+
+def cache_dir_problem(directory: Path, make: bool, environ: dict[str, str] | None = None) -> str | None:
+    """Why the node cache cannot be written in ``directory``, naming ``VLLM_CACHE_ROOT``, else ``None``.
+
+    Judged as :func:`measure.write_cache` writes: ``make`` creates the directory as it does (``tune``,
+    about to write); otherwise (``doctor``) nothing is created where it is missing and the nearest existing
+    parent must be a directory this user can write. An existing one must be this user's, writable by no
+    one else, and take a temporary file (made and removed at once). Never raises."""
+    why = None
+    try:
+        if make:
+            directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for place in (directory, *directory.parents):
+            try:
+                os.lstat(place)
+            except FileNotFoundError:
+                continue
+            info = os.stat(place)  # a dangling link or a loop raises here
+            if not stat.S_ISDIR(info.st_mode):
+                why = f"{place} is not a directory"
+            elif place != directory:
+                access = os.access(place, os.W_OK | os.X_OK)
+                why = None if access else f"{place} is not writable, so {directory} cannot be made"
+            else:
+                why = measure._is_private(directory)  # the writer's own rule and words
+                if why is None:
+                    handle, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
+                    os.close(handle)
+                    os.unlink(temporary)
+            break
+    except (OSError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+    return None if why is None else f"{why} ({cache_root_named(environ)})"
+
+
+def _this_gpu_key() -> tuple[str, int, str] | None:
+    """``(gfx, CUs, key line)`` of the node cache this GPU's plugin reads, or ``None`` without a ROCm GPU
+    (the key then is unknown: each file is judged by its own key line)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available() or torch.version.hip is None:
+            return None
+        from vllm_flydsl_indexer.kernels import cu_count
+
+        device = torch.device("cuda", 0)
+        gfx = tuning.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
+        cus = cu_count(device)
+        key = measure.cache_key(device, gfx, cus)
+        return None if key is None else (gfx, cus, key)
+    except Exception:  # noqa: BLE001 - doctor reports, never crashes
+        return None
+
+
+def _cache_file_report(path: Path, here: tuple[str, int, str] | None) -> dict[str, Any]:
+    """One node cache file as the plugin would read it: its key line, its usable rows, and the WARNING
+    texts the plugin logs for it (:func:`measure.load_cache`'s own words)."""
+    entry: dict[str, Any] = {
+        "path": str(path),
+        "key": None,
+        "usable_rows": 0,
+        "problems": [],
+        "read_here": None,
+    }
+    named = CACHE_NAME.fullmatch(path.name)
+    gfx, cus, digest = (named.group(1), int(named.group(2)), named.group(3)) if named else ("", 0, "")
+    if here is not None:
+        entry["read_here"] = measure.cache_path(here[0], here[1], here[2]).name == path.name
+    try:
+        head = tuning.read_capped(str(path)).partition("\n")[0]
+    except Exception:  # noqa: BLE001 - load_cache below says why, in the plugin's words
+        head = None
+    if entry["read_here"]:
+        key = here[2]
+    elif head is not None and hashlib.sha256(head.encode()).hexdigest()[:16] == digest:
+        key = head  # the key of the stack whose plugin reads this file
+    else:
+        key = "\n"  # no key line names this file: whichever plugin reads it finds another stack's
+    rows, problems = measure.load_cache(path, key, gfx, cus)
+    if head is not None:
+        entry["key"] = head.removeprefix(measure.KEY_PREFIX)
+    entry["usable_rows"], entry["problems"] = len(rows), problems
+    return entry
+
+
 def node_cache_report(environ: dict[str, str] | None) -> dict[str, Any]:
-    """What decides the shapes no table covers (issue 44): this node's cache files and the measurement."""
+    """What decides the shapes no table covers: this node's cache, file by file as the plugin reads it,
+    whether the cache can be written at all, and the measurement."""
     env = os.environ if environ is None else environ
     off = (env.get(envs.TUNED_CSV) or "").strip().lower() in tuning.OFF_VALUES
     tune, error = envs.read_flag(envs.TUNE, env, default=True)
-    root = envs.cache_root(env) / measure.CACHE_DIR
-    files = []
-    try:
-        paths = sorted(root.glob("paged_mqa_logits_*.csv")) if root.is_dir() else []
-    except OSError:
-        paths = []
-    for path in paths:  # each with what it is keyed on: its first line, as the plugin reads it
-        try:
-            key = tuning.read_capped(str(path)).partition("\n")[0]
-        except Exception as e:  # noqa: BLE001 - doctor never raises
-            key = f"unreadable ({type(e).__name__}: {e})"
-        files.append({"path": str(path), "key": key.removeprefix(measure.KEY_PREFIX)})
     if off:
-        decides = f"no table ({envs.TUNED_CSV}=none): FlyDSL wherever eligible, nothing measured"
+        value = (env.get(envs.TUNED_CSV) or "").strip()
+        decides = f"no table ({envs.TUNED_CSV}={value}): FlyDSL wherever eligible, nothing measured"
     elif tune:
         decides = "this node's cache, else measured at the bucket's first eager call (stock until then)"
     else:
         decides = f"this node's cache, else stock ({envs.TUNE}=0)"
-    return {"dir": str(root), "files": files, "uncovered_shapes": decides, "error": error}
+    data: dict[str, Any] = {"dir": None, "files": [], "uncovered_shapes": decides, "error": error}
+    data["in_use"] = not off  # the plugin reads and writes it (a dispatcher aside: the tuned table says)
+    data["root"] = cache_root_named(environ)
+    directory, why = cache_dir(environ)
+    if directory is None:
+        return data | {"unwritable": why, "root_problem": why}
+    data["dir"] = str(directory)
+    data["unwritable"] = cache_dir_problem(directory, make=False, environ=environ)
+    data["root_problem"] = None
+    try:
+        paths = sorted(directory.glob("paged_mqa_logits_*.csv")) if os.path.lexists(directory) else []
+        if paths or os.path.lexists(directory):
+            os.listdir(directory)  # what the glob above swallows (a loop, a file, no permission) raises here
+    except OSError as e:
+        data["root_problem"] = f"{type(e).__name__}: {e} ({data['root']})"
+        paths = []
+    here = _this_gpu_key()
+    data["files"] = [_cache_file_report(path, here) for path in paths]
+    return data
 
 
 def describe(table: tuning.TunedTable) -> list[dict[str, object]]:
@@ -373,7 +507,27 @@ def _self_test_report(environ: dict[str, str] | None) -> str:
         else "off: FlyDSL configurations are used unchecked"
     )
     raw = (os.environ if environ is None else environ).get(envs.SELFTEST)
-    return f"{said} ({envs.SELFTEST}={raw!r})" + (f" [{error}]" if error else "")
+    value = f"{envs.SELFTEST} is not set" if raw is None else f"{envs.SELFTEST}={raw!r}"
+    return f"{said} ({value})" + (f" [{error}]" if error else "")
+
+
+def register_line(decision: gates.Decision, environ: dict[str, str] | None) -> tuple[str, list[str]]:
+    """The line ``register()`` logs in this environment, and the warnings bracketed at its end, in its
+    order: the gates', then, where it installs the patch, a malformed ``VLLM_FLYDSL_INDEXER_TUNE`` (read only
+    where a table of the plugin's is in use) and ``VLLM_FLYDSL_INDEXER_SELFTEST``. With the switch off or
+    vLLM routing the call itself it logs the bare line."""
+    env = os.environ if environ is None else environ
+    if decision.in_tree or not envs.read_flag(envs.SWITCH, environ)[0]:
+        return decision.log_line(), list(decision.warnings)
+    warnings = list(decision.warnings)
+    if decision.active and decision.variant is not None:
+        if not decision.variant.own_table and (env.get(envs.TUNED_CSV) or "").strip().lower() not in (
+            tuning.OFF_VALUES
+        ):
+            warnings += [e for e in [envs.read_flag(envs.TUNE, environ, default=True)[1]] if e]
+        warnings += [e for e in [envs.read_flag(envs.SELFTEST, environ, default=True)[1]] if e]
+    bracket = f" [{'; '.join(warnings)}]" if warnings else ""
+    return decision.log_line() + bracket, warnings
 
 
 def report(
@@ -414,9 +568,8 @@ def report(
         "arm": "flydsl" if decision.active else "vllm" if decision.in_tree else "stock",
         "stock": stock_report(plat),
         "reason": decision.reason,
-        "log_line": decision.log_line(),
-        "warnings": decision.warnings,
     }
+    data["log_line"], data["warnings"] = register_line(decision, environ)
     if model is not None:
         from vllm_flydsl_indexer.tools import reach
 
@@ -442,7 +595,14 @@ def _pointing_to_gates(data: dict[str, Any]) -> dict[str, Any]:
 def render_table(table: dict[str, Any]) -> list[str]:
     """The tuned table's lines: its source, whether it applies here, and per shape the batch sizes
     that go to FlyDSL (``B>=64: flydsl (wg_per_cu=3)``: from batch 64 up to the next bucket)."""
-    ignored = [f"tuned table: {i['source']}: {i['note']}" for i in table.get("ignored", ())]
+    ignored = [
+        line
+        for i in table.get("ignored", ())
+        for line in (
+            f"tuned table: {i['source']}: {i['note']}",
+            *(f"  skipped by the plugin: {w}" for w in i["skipped"]),
+        )
+    ]
     if table["source"] is None:
         return [*ignored, f"tuned table: {table['note']}"]
     if "rows" not in table:
@@ -458,6 +618,25 @@ def render_table(table: dict[str, Any]) -> list[str]:
             f"  {shape['cu_num']} CUs, heads={shape['heads']} head_dim={shape['head_dim']} "
             f"KVB={shape['kv_block_size']} next_n={shape['next_n']}: {_batch_ranges(shape['buckets'])}"
         )
+    return out
+
+
+def render_node_cache(cache: dict[str, Any]) -> list[str]:
+    """The node cache's lines: what decides uncovered shapes, whether the cache can be written, and each
+    file's usable rows or the plugin's words for what it ignores there."""
+    out = [f"uncovered shapes: {cache['uncovered_shapes']}"]
+    out += [f"  note: {cache['error']}"] if cache["error"] else []
+    out += [f"  note: {cache['root']}"] if cache["root"].startswith(f"{CACHE_ROOT} is empty") else []
+    if cache["dir"] is None or cache["root_problem"]:
+        return [*out, f"node cache: cannot be used: {cache['root_problem']}"]
+    state = "writable" if not cache["unwritable"] else f"NOT writable: {cache['unwritable']}"
+    out.append(f"node cache: {cache['dir']} ({len(cache['files'])} file(s); {state})")
+    for f in cache["files"]:
+        here = {True: "; this GPU's", False: "; another GPU's or stack's, not read here", None: ""}
+        rows = f"{f['usable_rows']} usable row(s)" if f["usable_rows"] or f["problems"] else "no rows yet"
+        key = f"; keyed on: {f['key']}" if f["key"] and f["usable_rows"] else ""
+        out.append(f"  {os.path.basename(f['path'])}: {rows}{here[f['read_here']]}{key}")
+        out += [f"    ignored by the plugin: {problem}" for problem in f["problems"]]
     return out
 
 
@@ -527,12 +706,7 @@ def render(data: dict[str, Any]) -> str:
                 arm += " from audited callers"
             out.append(f"          {label:<33} {shape['kv_block_size']:<4} {shape['next_n']:<7} {arm}")
     out += ["", *render_table(data["tuned_table"])]
-    cache = data["node_cache"]
-    out += [
-        f"uncovered shapes: {cache['uncovered_shapes']}",
-        f"node cache: {cache['dir']} ({len(cache['files'])} file(s))",
-        *(f"  {os.path.basename(f['path'])}: {f['key']}" for f in cache["files"]),
-    ]
+    out += render_node_cache(data["node_cache"])
     layout = data["kv_cache_layout"]
     out += [""] + textwrap.wrap(
         layout["note"], 100, break_on_hyphens=False, initial_indent="layout:   ", subsequent_indent=" " * 10
@@ -546,22 +720,29 @@ def render(data: dict[str, Any]) -> str:
         from vllm_flydsl_indexer.tools import reach
 
         out += [""] + reach.render(data["model"])
-    return "\n".join(out)
+    return "\n".join(line.replace("\n", "\\n") for line in out)  # an echoed newline stays inside its line
 
 
 def main(as_json: bool, strict: bool, model: tuple[str, dict | None] | None = None) -> int:
     data = report(model=model)
     if as_json:
         print(json.dumps(data, indent=2))
-    else:  # echoed values (the switch, the table path, --model) escaped and shortened
-        from vllm_flydsl_indexer.tools.streams import safe_line
-
+    else:  # echoed values (the switch, the table path, --model, the cache root) escaped and shortened
         print("\n".join(safe_line(line) for line in render(data).split("\n")))
     if strict and data["arm"] != "flydsl":
-        from vllm_flydsl_indexer.tools.streams import safe_line
-
         print(
             safe_line(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})"),
+            file=sys.stderr,
+        )
+        return 1
+    cache = data["node_cache"]
+    broken = cache["root_problem"] or cache["unwritable"]
+    if strict and broken and cache["in_use"] and data["tuned_table"].get("origin") != "dispatcher":
+        print(
+            safe_line(
+                f"doctor --strict: this node's cache cannot be written ({broken}): every process measures "
+                "its buckets again"
+            ),
             file=sys.stderr,
         )
         return 1

@@ -158,9 +158,10 @@ def shown(value: object, limit: int = SHOWN_LIMIT) -> str:
 
 
 def safe_line(text: str, limit: int = SHOWN_LIMIT) -> str:
-    """``text`` safe to print: control characters escaped (:func:`safe_text`) and every run of
-    non-space characters over ``limit`` shortened, with a count of what was cut (an echoed value)."""
-    text = safe_text(text)
+    """``text`` safe to print as one line: control characters escaped (:func:`safe_text`), a newline too
+    (a path may hold one), and every run of non-space characters over ``limit`` shortened, with a count of
+    what was cut (an echoed value)."""
+    text = safe_text(text).replace("\n", "\\n")
     if len(text) <= limit:
         return text
     return re.sub(

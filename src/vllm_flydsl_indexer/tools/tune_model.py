@@ -22,9 +22,15 @@ bucket the model will use, so serving starts with every verdict cached:
   came from (measured now, cached by an earlier run, AMD's built-in table or the user's table), and the
   cache file. A Ctrl-C stops after the bucket under way (each bucket is in the cache once measured),
   prints what finished and exits 130.
+* **Honest about the cache:** the cache must be writable before anything is measured (its directory made
+  and judged as :func:`measure.write_cache` makes and judges it, a temporary file made and removed there);
+  after the run every row measured now is read back from the file, and the rows missing there are written
+  once more through :func:`measure.write_cache`, whose reason names why a row is still missing. Such a
+  bucket reads ``NOT cached``, the last line says why, and the exit status is 1.
 
-Without aiter's FlyDSL kernel, a gfx950 device or aiter's Gluon kernel nothing can be measured: one line,
-exit 1. Tools wing only.
+Without aiter's FlyDSL kernel, a gfx950 device or aiter's Gluon kernel nothing can be measured; with a cache
+that cannot be written, nothing would be kept: one line, exit 1. A bucket too large for the measurement's
+own limit (:data:`measure.MAX_EXTRA_BYTES`) is refused before any work, exit 2. Tools wing only.
 """
 
 from __future__ import annotations
@@ -33,9 +39,11 @@ import argparse
 import csv
 import io
 import logging
+import math
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -44,6 +52,7 @@ from vllm_flydsl_indexer.kernels import cu_count, find_kernel
 from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES, multi_row_objection
 from vllm_flydsl_indexer.tools import reach, settings
 from vllm_flydsl_indexer.tools.arms import kernel_arms
+from vllm_flydsl_indexer.tools.doctor import cache_dir, cache_dir_problem
 from vllm_flydsl_indexer.tools.harness import with_once
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopSignal, interrupted_note
 from vllm_flydsl_indexer.tools.paths import build_paths
@@ -55,17 +64,20 @@ from vllm_flydsl_indexer.tools.table import format_table
 __all__ = [
     "CACHED",
     "MEASURED",
+    "NOT_CACHED",
     "Bucket",
     "batch_buckets",
     "device_gfx",
     "main",
     "next_ns_of",
     "render",
+    "size_problem",
 ]
 
 TOOL = f"{settings.PROG} tune"
 MEASURED = "measured now on this node"
 CACHED = "cached (an earlier run on this node)"
+NOT_CACHED = f"{MEASURED}, NOT cached"
 WINNERS = {"gluon": "stock (Gluon)", "flydsl": "FlyDSL", tuning.ENTRY: "FlyDSL (_gfx950 entry)"}
 NOTHING = f"{TOOL}: nothing can be measured here"
 
@@ -83,6 +95,7 @@ class Bucket:
     speedup: float | None = None
     source: str = ""
     measured: bool = True  # False: it should have been measured and was not (the measurement failed)
+    at: tuple | None = None  # its node cache row's key (shape key, bucket, contexts), where one was measured
 
 
 def batch_buckets(next_n: int, max_batch: int | None) -> list[int]:
@@ -176,6 +189,62 @@ def _figures(path: str) -> dict[tuple, tuple[float, float]]:
     return found
 
 
+def size_problem(plan: list[tuple[int, int]], heads: int, head_dim: int, max_model_len: int) -> str | None:
+    """Why a bucket of ``plan`` (``(next_n, batch)`` pairs) cannot be measured, before anything is allocated,
+    or ``None``: its timing problem (q and weights of every row, a block table per context) over the
+    measurement's own limit, :data:`measure.MAX_EXTRA_BYTES`, which the plugin applies at serving too."""
+    most = -(-max(map(int, measure.contexts_of(max_model_len).split(";"))) // settings.TUNE_MODEL_BLOCK_SIZE)
+
+    def need(next_n: int, batch: int) -> int:  # measure.figures's own sum
+        return batch * next_n * heads * (head_dim + SCALE_BYTES) + batch * most * 4
+
+    over = [(n, b) for n, b in plan if need(n, b) > measure.MAX_EXTRA_BYTES]
+    if not over:
+        return None
+    limit = f"{measure.MAX_EXTRA_BYTES >> 20} MiB"
+    n, b = min(over, key=lambda p: p[1])
+    what = f"heads={heads} head_dim={head_dim}: batch {b} at next_n {n} needs {need(n, b) / 2**20:.0f} MiB"
+    fits = [b for n, b in plan if all(need(m, b) <= measure.MAX_EXTRA_BYTES for m, _ in plan)]
+    if not fits:
+        return f"--model: {what} to time, over the measurement's {limit} (the plugin keeps it stock too)"
+    return (
+        f"argument --max-batch: must be at most {max(fits)} for {what} to time, over the measurement's "
+        f"{limit} (the plugin keeps such a bucket stock)"
+    )
+
+
+def _unwritten(cache: Path, stack: str, gfx: str, cus: int, router, buckets: list[Bucket]) -> str | None:
+    """Each bucket measured now whose row is not in the cache file is marked :data:`NOT_CACHED`; why, or
+    ``None`` when every one is there. The missing rows are written once more through the plugin's writer
+    (a concurrent run may have merged them away), whose answer is the reason."""
+    measured = [b for b in buckets if b.source == MEASURED]
+    rows = router.node[2] if router.node else {}
+
+    def missing() -> list[Bucket]:
+        on_file = measure.load_cache(cache, stack, gfx, cus)[0]
+        return [
+            b
+            for b in measured
+            if b.at not in rows or on_file.get(b.at, {}).get("backend") != rows[b.at]["backend"]
+        ]
+
+    lost = missing()
+    untimed = [b for b in lost if b.at not in rows]  # not every candidate timed: the plugin keeps no row
+    why = (
+        measure.write_cache(cache, stack, [rows[b.at] for b in lost if b.at in rows])
+        if len(lost) > len(untimed)
+        else None
+    )
+    lost = missing() if why is None else lost
+    for b in lost:
+        b.source = NOT_CACHED
+    if not lost:
+        return None
+    if why is None and untimed == lost:
+        return "not every candidate could be timed, and the plugin caches a bucket only when each was"
+    return why or "the rows were written but do not read back"
+
+
 def _table_source(table: tuning.TunedTable) -> tuple[str, str]:
     """How the report names a table, and its file."""
     if table.origin == "built-in":
@@ -208,38 +277,57 @@ def main(args: argparse.Namespace) -> int:
     heads, head_dim, shape_source = reach.shape_of(config, model)
     next_ns, next_source = (tuple(args.next_n), "--next-n") if args.next_n else next_ns_of(config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gpu = device.type == "cuda"
+    max_model_len = settings.TUNE_MAX_MODEL_LEN if gpu else settings.TUNE_MODEL_CPU_MAX_MODEL_LEN
+    plan = [(n, b) for n in next_ns for b in batch_buckets(n, args.max_batch)]
+    if problem := size_problem(plan, heads, head_dim, max_model_len):
+        settings.fail(TOOL, problem.replace("--model:", f"--model {args.model}:", 1))
     found, why = _refusal(device)
     if found is None:
         print(safe_line(f"{NOTHING}: {why}"), file=sys.stderr)
         return 1
     variant, arms, gfx, where = found
     cus, block = cu_count(device), settings.TUNE_MODEL_BLOCK_SIZE
-    gpu = device.type == "cuda"
-    max_model_len = settings.TUNE_MAX_MODEL_LEN if gpu else settings.TUNE_MODEL_CPU_MAX_MODEL_LEN
-    plan = [(n, b) for n in next_ns for b in batch_buckets(n, args.max_batch)]
+    # Nothing is measured that could not be kept: the cache is judged as its writer judges it, first.
+    stack, (directory, why) = measure.cache_key(device, gfx, cus), cache_dir()
+    cache = measure.cache_path(gfx, cus, stack) if stack and directory else None
+    if stack is None:
+        unread = ", ".join(k for k, v in measure.stack_versions().items() if v == "unknown")
+        why = f"the cache is keyed on the stack's versions, and {unread} cannot be read here"
+    elif cache is not None:
+        why = cache_dir_problem(directory, make=True)
+        if why is None and os.path.isdir(cache) and not os.path.islink(cache):
+            why = f"{cache} is a directory, which the cache file cannot replace"
+    if why is not None or cache is None:
+        print(safe_line(f"{TOOL}: nothing measured, since nothing could be cached: {why}"), file=sys.stderr)
+        return 1
     logger = _logger()
     paths = build_paths(arms, device, max(b * n for n, b in plan), max_model_len, logger)
     off = (os.environ.get(envs.TUNED_CSV) or "").strip().lower() in tuning.OFF_VALUES
     table, table_label = tuning.load(variant.name, gfx, logger)
     router = paths.make_router(table=table, tune=True, gfx=gfx)
-    stack = measure.cache_key(device, gfx, cus)
-    cache = measure.cache_path(gfx, cus, stack) if stack else None
     timing = "device events" if gpu else "the wall clock: a simulation, no GPU"
-    print(f"model:   {model.label} ({model_type}): heads={heads} head_dim={head_dim} ({shape_source})")
-    print(f"next_n:  {', '.join(map(str, next_ns))} ({next_source}); KVBlockSize {block}, preshuffled")
     units = f"{cus} CU{'s' * (cus != 1)}"
-    print(f"device:  {gfx}, {units} ({where}); timed with {timing}, contexts clamped to {max_model_len}")
     entry = f"; beside it {variant.entry.location}" if variant.entry else ""
-    print(f"kernel:  {variant.location} ({variant.name}){entry}")
-    print(f"stock:   {paths.label}")
-    print(f"tables:  {table_label}")
-    if off:
-        print(f"note:    {envs.TUNED_CSV} is off: serving takes FlyDSL where eligible and ignores this cache")
+    for line in (
+        f"model:   {model.label} ({model_type}): heads={heads} head_dim={head_dim} ({shape_source})",
+        f"next_n:  {', '.join(map(str, next_ns))} ({next_source}); KVBlockSize {block}, preshuffled",
+        f"device:  {gfx}, {units} ({where}); timed with {timing}, contexts clamped to {max_model_len}",
+        f"kernel:  {variant.location} ({variant.name}){entry}",
+        f"stock:   {paths.label}",
+        f"tables:  {table_label}",
+        *(
+            [f"note:    {envs.TUNED_CSV} is off: serving takes FlyDSL where eligible and ignores this cache"]
+            * off
+        ),
+    ):
+        print(safe_line(line))
     buckets: list[Bucket] = []
+    contexts = measure.contexts_of(max_model_len)
     with StopSignal("bucket") as stop, Progress(len(plan), "tune") as progress, paths.session():
         pool = _pool(device, max(b for _, b in plan), max_model_len, head_dim + SCALE_BYTES)
         # The node cache as the router will read it: a bucket it covers is cached, not measured.
-        node = measure.load_cache(cache, stack, gfx, cus)[0] if cache else {}
+        node = measure.load_cache(cache, stack, gfx, cus)[0]
         for i, (next_n, batch) in enumerate(plan):
             if stop.requested:
                 progress.close(interrupted=True)
@@ -266,8 +354,7 @@ def main(args: argparse.Namespace) -> int:
             if reason is not None:  # the router's rules send it to stock before any table or measurement
                 row.winner, row.source = "stock", f"the rules: {reason}"
                 continue
-            key = (cus, next_n, heads, head_dim, block)
-            cached = (key, batch, measure.contexts_of(max_model_len)) in node
+            row.at = ((cus, next_n, heads, head_dim, block), batch, contexts)
             router.spent = 0.0  # the serving process's budget, not this command's: every bucket is timed
             pick = router.decide(call, 1)
             if isinstance(pick, str) or pick is None:
@@ -276,26 +363,36 @@ def main(args: argparse.Namespace) -> int:
             backend, tuned, _, conflict, source = pick
             row.winner = WINNERS.get(backend, backend)
             if source in ("this node's measurement", "this node's cache"):
-                row.source, figures = (CACHED if cached else MEASURED), _figures(str(cache))
+                row.source = CACHED if row.at in node else MEASURED
+                mine = (router.node[2] if router.node else {}).get(row.at)
+                us = (float(mine["us"]), float(mine["gluon_us"])) if mine else None
             else:
                 row.source, file = _table_source(router.table)
-                figures = _figures(file)
+                us = _figures(file).get((cus, tuned, next_n, heads, head_dim, block))
             if conflict or (backend == tuning.ENTRY and variant.entry is None):
                 why = conflict or f"this aiter exports no {WINNERS[backend]}"
                 row.winner, row.source = "stock", f"{row.source}: {why}"
                 continue
-            us = figures.get((cus, tuned, next_n, heads, head_dim, block))
-            row.speedup = us[1] / us[0] if us and us[0] > 0 else None
+            row.speedup = us[1] / us[0] if us and us[0] > 0 and math.isfinite(us[1] / us[0]) else None
+    unwritten = _unwritten(cache, stack, gfx, cus, router, buckets)
     print()
     for line in render(buckets):
-        print(line)
-    measured = sum(b.source == MEASURED for b in buckets)
-    where = cache or "not cached: a version of aiter, flydsl, vLLM, torch or Triton cannot be read"
-    print(f"node cache: {where} ({measured} bucket(s) measured now)")
+        print(safe_line(line))
+    measured = sum(b.source in (MEASURED, NOT_CACHED) for b in buckets)
+    lost = sum(b.source == NOT_CACHED for b in buckets)
+    if unwritten is None:
+        print(safe_line(f"node cache: {cache} ({measured} bucket(s) measured now)"))
+    else:
+        print(
+            safe_line(
+                f"node cache: {cache}: NOT written: {unwritten}; {lost} of the {measured} bucket(s) measured "
+                "now are not cached, so serving measures them again"
+            )
+        )
     failed = [b for b in buckets if not b.measured]
     if failed:
         print(f"{TOOL}: {len(failed)} bucket(s) got no figures (see above): stock", file=sys.stderr)
     if len(buckets) < len(plan):
         print(interrupted_note(len(buckets), len(plan)), file=sys.stderr)
         return EXIT_INTERRUPTED
-    return 1 if failed else 0
+    return 1 if failed or unwritten else 0
