@@ -120,7 +120,7 @@ def _row_key(row: dict, gfx: str, cus: int) -> tuple | str:
     return found[1], found[2], row.get("context_len", "")
 
 
-def _is_private(directory: Path) -> str | None:
+def private_dir_problem(directory: Path) -> str | None:
     """Why ``directory`` may not hold the cache (not ours, or writable by others), else ``None``."""
     info = os.lstat(directory)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
@@ -134,7 +134,7 @@ def load_cache(path: Path, key: str, gfx: str, cus: int) -> tuple[dict, list[str
     try:
         if not os.path.lexists(path):
             return {}, []
-        if (why := _is_private(path.parent)) or stat.S_ISLNK(os.lstat(path).st_mode):
+        if (why := private_dir_problem(path.parent)) or stat.S_ISLNK(os.lstat(path).st_mode):
             return {}, [why or f"{path} is a symbolic link"]
         head, _, body = tuning.read_capped(str(path)).partition("\n")
     except Exception as e:  # noqa: BLE001 - an unreadable cache is no cache
@@ -159,7 +159,7 @@ def write_cache(path: Path, key: str, rows: list[dict]) -> str | None:
     the next process measures again (what a busy lock's skipped write would do)."""
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if why := _is_private(path.parent):
+        if why := private_dir_problem(path.parent):
             return why
         gfx, cus = str(rows[0]["gfx"]), int(rows[0]["cu_num"])
         new = {_row_key(r, gfx, cus): r for r in ({k: str(v) for k, v in r.items()} for r in rows)}

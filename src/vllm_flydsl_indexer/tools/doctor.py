@@ -238,7 +238,7 @@ def cache_dir_problem(directory: Path, make: bool, environ: dict[str, str] | Non
                 access = os.access(place, os.W_OK | os.X_OK)
                 why = None if access else f"{place} is not writable, so {directory} cannot be made"
             else:
-                why = measure._is_private(directory)  # the writer's own rule and words
+                why = measure.private_dir_problem(directory)  # the writer's own rule and words
                 if why is None:
                     handle, temporary = tempfile.mkstemp(dir=directory, prefix=".", suffix=".tmp")
                     os.close(handle)
