@@ -234,7 +234,8 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     if rows * heads * (head_dim + 4) + bucket * most * 4 > MAX_EXTRA_BYTES:
         raise MemoryError(f"the timing problem needs more than {MAX_EXTRA_BYTES >> 20} MiB")
     rng = torch.Generator(device=device).manual_seed(bucket)  # never the global or device default
-    qb = torch.randint(1, 64, (bucket, next_n, heads, head_dim), device=device, generator=rng).byte()
+    dims, u8 = (bucket, next_n, heads, head_dim), torch.uint8  # q drawn as bytes: no wider temporary
+    qb = torch.randint(1, 64, dims, dtype=u8, device=device, generator=rng)
     wb = torch.rand(rows, heads, device=device, generator=rng)
     timed, samplers = [r for r in routes if r is not None], []
     for context in contexts:
