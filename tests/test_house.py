@@ -114,8 +114,8 @@ def test_the_tools_mark_their_public_names_and_the_runtime_does_not():
 # 1,450; issue 49's measurement as serving runs it (graph replays in interleaved rounds, +60), its one
 # bounded agreement over every call signature (+45), a node cache keyed on the whole stack whose rows are
 # validated and written atomically and privately (+45), and the audited callers' own fingerprints (+23) came
-# to 1,592 after trimming (the tuned table's memo went, the router's version string is measure's). The pin is
-# where issue 49 leaves it, 92 over its ask: the next cuts are named in its closing note. 10 modules, 7
+# to 1,593 after trimming (the tuned table's memo went, the router's version string is measure's). The pin is
+# where issue 49 leaves it, 93 over its ask: the next cuts are named in its closing note. 10 modules, 7
 # classes.
 ISSUE_49_ASK = {"modules": 10, "code_lines": 1500, "classes": 8}
 MAX_PLUGIN_CODE_LINES = 1600
