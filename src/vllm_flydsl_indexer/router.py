@@ -168,9 +168,10 @@ class FlyDSLRouter:
     ) -> None:
         self.original, self.variant, self.hooks, self.logger = original, variant, hooks, logger
         self.is_capturing, self.table, self.self_test = is_capturing, table, self_test
-        # Shapes no table covers: None, FlyDSL (no table at all); True, measured (measure.py); False, stock.
+        # Shapes no table covers: None, FlyDSL (no table at all); True, measured (measure.py); False, this
+        # node's cache, else stock.
         self.tune, self.gfx, self.node, self.spent, self.gave_up = tune, gfx, None, 0.0, None
-        self.verdicts: dict[tuple, tuple | str] = {}  # (shape key, batch bucket) -> measured pick or reason
+        self.verdicts: dict[tuple, tuple | str | None] = {}  # call signature -> agreed pick or reason
         self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
         self.compiled: set[tuple] = set()
