@@ -169,7 +169,13 @@ def test_first_taken_line_names_configuration_and_caller(
 
 def test_audit_table_names_every_caller_and_refuses_multi_row_from_glm5next():
     assert set(CALL_SITES) == {TARGET_MODULE, DSV41, GLM5NEXT}
-    assert multi_row_objection(TARGET_MODULE) is None and multi_row_objection(DSV41) is None
+    assert multi_row_objection(TARGET_MODULE) is None
+    try:
+        importlib.import_module(DSV41)
+    except ModuleNotFoundError:  # 0.32.0 has no DeepSeek-V4.1 module: a caller that is not there is unaudited
+        assert "none of the audited releases' code" in multi_row_objection(DSV41)
+    else:
+        assert multi_row_objection(DSV41) is None
     assert "pool-granular" in multi_row_objection(GLM5NEXT)
     assert "not audited (unknown)" in multi_row_objection(None)
 
