@@ -1,20 +1,24 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Host time per decode-logits call: stock vLLM vs the plugin's patched call, both paths, defaults on.
+"""Host time per decode-logits call: stock vLLM vs the plugin's patched call, each path, defaults on.
 
 Runs the installed vLLM's real ``rocm_fp8_paged_mqa_logits`` on CPU under the test
 suite's gfx950 simulation (amdsmi and aiter doubles from ``tests/doubles``), with
-every default on (the self-test included). Each shape is warmed first with the
+every default on (the self-test included) but the route's source (no table: a
+measurement on a CPU is a wall-clock race that could keep the taken shape stock).
+Each shape is warmed first with the
 doubles' kernels, which honour the two contracts, so the self-test passes and
 the route is ready; then both kernels are replaced by no-ops, so only Python
 host work is timed: the stock function's own checks, workspace lookup and
 argument handling, against the plugin's wrapper and router.
 
-Two paths, each against stock's own function on the same call, all four arms
+Three paths, each against stock's own function on the same call, all six arms
 interleaved round by round in one run:
 
 * **taken**: a shape the router sends to FlyDSL (heads 64, head_dim 128);
 * **stock-bound**: a shape the router hands to stock (head_dim 96, which no
-  FlyDSL API takes): the wrapper and the router's memoised verdict, then stock.
+  FlyDSL API takes): the router's memoised verdict (both memo levels), then stock;
+* **stock-bound cache**: a block-outer (strided) cache, DeepSeek-V4.1's layout, which
+  no batch can take to FlyDSL: the first memo level alone, then stock.
 
     python benchmarks/host_overhead.py [--calls 20000] [--rounds 7] [--next-n 2] [--json out.json]
 
@@ -44,6 +48,8 @@ DOUBLES = ROOT / "tests" / "doubles"
 LAYERS_DSV32 = 61
 TAKEN = dict(heads=64, head_dim=128)
 STOCK_BOUND = dict(heads=64, head_dim=96)  # no FlyDSL API takes head_dim 96
+STOCK_BOUND_CACHE = dict(heads=64, head_dim=128, block_outer=True)  # a strided cache (V4.1's layout)
+PATHS = {"taken": TAKEN, "stock-bound": STOCK_BOUND, "stock-bound cache": STOCK_BOUND_CACHE}
 
 
 def positive(text: str) -> int:
@@ -81,7 +87,7 @@ def main() -> int:
         "samples_us": {name: [round(v, 3) for v in vs] for name, vs in per_call.items()},
     }
     print(f"host time per call, {where} (median of {args.rounds} interleaved rounds x {args.calls} calls)")
-    for path in ("taken", "stock-bound"):
+    for path in PATHS:
         stock, patched = median[f"stock ({path} shape)"], median[f"patched, {path}"]
         delta = patched - stock
         result[path] = {
@@ -92,7 +98,7 @@ def main() -> int:
             "delta_per_step_61_layers_us": round(delta * LAYERS_DSV32, 1),
         }
         print(
-            f"  {path:<12} stock {stock:7.2f} us  patched {patched:7.2f} us  delta {delta:+6.2f} us  "
+            f"  {path:<17} stock {stock:7.2f} us  patched {patched:7.2f} us  delta {delta:+6.2f} us  "
             f"ratio {patched / stock:.3f}  ({delta * LAYERS_DSV32:+.1f} us per step at {LAYERS_DSV32} layers)"
         )
     if args.json_path:
@@ -104,8 +110,11 @@ def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     """The four arms through real vLLM on CPU, warmed with the doubles, then timed with no-op kernels."""
     os.environ["VLLM_ROCM_USE_AITER"] = "1"
     os.environ["VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"] = "1"
-    for name in ("VLLM_FLYDSL_INDEXER_SELFTEST", "VLLM_FLYDSL_INDEXER_TUNED_CSV"):
-        os.environ.pop(name, None)  # every default on
+    os.environ.pop("VLLM_FLYDSL_INDEXER_SELFTEST", None)  # every default on, the self-test included
+    # Except what decides the route: with no table, FlyDSL wherever eligible. The default (the built-in
+    # table, else this node's measurement: under the CPU simulation, a wall-clock race) could keep the taken
+    # arm's shape on stock; a warm route runs the same code whatever decided it.
+    os.environ["VLLM_FLYDSL_INDEXER_TUNED_CSV"] = "none"
     for sub in ("aiter_flydsl", "amdsmi_gfx950"):
         sys.path.insert(0, str(DOUBLES / sub))
     import aiter.ops.triton.pa_mqa_logits as gluon
@@ -125,23 +134,19 @@ def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     assert router.self_test, "the self-test is on by default"
     site = call_site_in(target)  # both arms called as the defining module's indexer calls them
     stock, patched = installed.original, target.rocm_fp8_paged_mqa_logits
-    taken_args, bound_args = (
-        _problem(next_n, torch.device("cpu"), **shape) for shape in (TAKEN, STOCK_BOUND)
-    )
+    problems = {path: _problem(next_n, torch.device("cpu"), **shape) for path, shape in PATHS.items()}
     # Warm-up on the doubles' kernels: the self-test passes, the taken route is ready.
     taken = router.calls_taken
-    site(patched, taken_args, {})
-    site(patched, bound_args, {})
+    for args in problems.values():
+        site(patched, args, {})
     assert router.calls_taken == taken + 1 and list(router.self_tests.values()) == [None], router.self_tests
     noop = _noop
     gluon.deepgemm_fp8_paged_mqa_logits = noop
     router.variant = dataclasses.replace(router.variant, fn=noop)
-    arms = {
-        "stock (taken shape)": lambda: site(stock, taken_args, {}),
-        "patched, taken": lambda: site(patched, taken_args, {}),
-        "stock (stock-bound shape)": lambda: site(stock, bound_args, {}),
-        "patched, stock-bound": lambda: site(patched, bound_args, {}),
-    }
+    arms = {}
+    for path, args in problems.items():
+        arms[f"stock ({path} shape)"] = lambda a=args: site(stock, a, {})
+        arms[f"patched, {path}"] = lambda a=args: site(patched, a, {})
     version = importlib.metadata.version("vllm")
     return _checked(arms, router), f"vLLM {version} on CPU (gfx950 simulation), torch {torch.__version__}"
 
@@ -157,25 +162,23 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     from vllm_flydsl_indexer.tools.reference import GENERAL
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    taken_args, bound_args = (_problem(next_n, device, **shape) for shape in (TAKEN, STOCK_BOUND))
+    problems = {path: _problem(next_n, device, **shape) for path, shape in PATHS.items()}
     kernels = {"gluon": reference_arms().gluon}
-    workspace = Workspace(4 * next_n, taken_args[6], device)
+    workspace = Workspace(4 * next_n, problems["taken"][6], device)
     stock = stock_call(lambda *a, **k: kernels["gluon"](*a, **k), workspace)
     from vllm_flydsl_indexer.tools.harness import quiet_logger
 
     # A stdlib logger with the *_once methods the router calls (vLLM's logger has them).
     router = FlyDSLRouter(stock, contract_variant(GENERAL), mirror_hooks(workspace), quiet_logger())
-    router.call_from(TARGET_MODULE, *taken_args)
-    router.call_from(TARGET_MODULE, *bound_args)
+    for args in problems.values():
+        router.call_from(TARGET_MODULE, *args)
     assert router.calls_taken == 1 and list(router.self_tests.values()) == [None], router.self_tests
     kernels["gluon"] = _noop
     router.variant = dataclasses.replace(router.variant, fn=_noop)
-    arms = {
-        "stock (taken shape)": lambda: stock(*taken_args),
-        "patched, taken": lambda: router.call_from(TARGET_MODULE, *taken_args),
-        "stock (stock-bound shape)": lambda: stock(*bound_args),
-        "patched, stock-bound": lambda: router.call_from(TARGET_MODULE, *bound_args),
-    }
+    arms = {}
+    for path, args in problems.items():
+        arms[f"stock ({path} shape)"] = lambda a=args: stock(*a)
+        arms[f"patched, {path}"] = lambda a=args: router.call_from(TARGET_MODULE, *a)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return _checked(arms, router), f"standalone (no vLLM) on {where} tensors, torch {torch.__version__}"
 
@@ -184,7 +187,10 @@ def _noop(*args, **kwargs) -> None:
     return None
 
 
-def _problem(next_n: int, device, heads: int, head_dim: int) -> tuple:
+def _problem(next_n: int, device, heads: int, head_dim: int, block_outer: bool = False) -> tuple:
+    """The call's arguments; ``block_outer``: the cache a strided view of a wider one (V4.1's layout)."""
+    import torch
+
     from vllm_flydsl_indexer.tools.reference import make_paged_problem
 
     p = make_paged_problem(
@@ -197,7 +203,13 @@ def _problem(next_n: int, device, heads: int, head_dim: int) -> tuple:
         spare_blocks=0,
         device=device,
     )
-    return p.call_args()
+    args = p.call_args()
+    if block_outer:
+        kv = args[1]
+        wide = torch.zeros((*kv.shape[:3], 2 * kv.shape[3]), dtype=kv.dtype, device=device)
+        wide[..., : kv.shape[3]] = kv
+        args = (args[0], wide[..., : kv.shape[3]], *args[2:])
+    return args
 
 
 def _checked(arms: dict, router) -> dict:
@@ -207,7 +219,7 @@ def _checked(arms: dict, router) -> dict:
         for _ in range(100):
             fn()
     assert router.calls_taken == taken + 100, "the taken arm went to stock"
-    assert router.calls_delegated == delegated + 100, "the stock-bound arm was taken"
+    assert router.calls_delegated == delegated + 200, "a stock-bound arm was taken"
     return arms
 
 

@@ -264,10 +264,24 @@ def test_memoised_verdict_still_checks_contiguity_live():
     # The contiguous call keeps its verdict.
     call(*as_args(p), compress_ratio=1)
     assert router.calls_taken == 2 and launches == [True, True]
-    # And a different DCP size is a different verdict for next_n > 1.
-    router.hooks = hooks(dcp=2)
-    assert call(*as_args(p), compress_ratio=1) is original.marker
-    assert router.calls_taken == 2 and len(original.calls) == 2
+    assert len(original.calls) == 1
+
+
+def test_dcp_is_read_when_a_signature_is_decided_never_on_a_warm_call():
+    """The DCP size is start-up state (vLLM sets up its parallel groups before it loads the model): read
+    once per new call signature, where it decides next_n > 1, and never again on a warm call."""
+    p = base_problem()  # next_n 2
+    for dcp, taken in ((1, True), (2, False)):
+        reads = []
+        original = Recorder()
+        router = router_for(
+            original, hooks_=dataclasses.replace(hooks(), dcp_world_size=lambda: reads.append(1) or dcp)
+        )
+        for _ in range(5):
+            out = router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1)
+            assert (out is not original.marker) == taken, dcp
+        assert len(reads) == 1, (dcp, reads)
+        assert router.calls_taken == 5 * taken and len(original.calls) == 5 * (not taken)
 
 
 def test_the_caller_is_part_of_the_memoised_verdict():
@@ -463,7 +477,12 @@ def test_each_memo_key_field_alone_changes_the_verdict(field, order):
         out = router.call_from(*args, compress_ratio=compress_ratio)
         assert (out is not original.marker) == taken, (field, order, router.routes)
         assert len(launches) == launched + taken, (field, order)
-    assert router.calls_taken == 1 and router.calls_delegated == 1 and len(router.routes) == 2
+    assert router.calls_taken == 1 and router.calls_delegated == 1 and memoised(router) == 2
+
+
+def memoised(router) -> int:
+    """The verdicts memoised at both levels: rules 1-2's per cache key, the rest per call key."""
+    return len(router.routes) + sum(isinstance(v, str) for v in router.caches.values())
 
 
 def test_max_model_len_alone_changes_the_launch():
@@ -508,16 +527,12 @@ def _key_fields(args: tuple) -> tuple:
     return q.shape, kv.shape, kv.is_contiguous(), lens.shape, max_model_len
 
 
-@pytest.mark.parametrize("field", ["dcp", *FACT_CASES])
+@pytest.mark.parametrize("field", list(FACT_CASES))
 def test_each_call_fact_alone_sends_a_memoised_flydsl_key_to_stock(field):
-    dcp = [1]
-    router, launches = _recording_router(hooks_=dataclasses.replace(hooks(), dcp_world_size=lambda: dcp[0]))
+    router, launches = _recording_router()
     original = router.original
     assert router.call_from(TARGET_MODULE, *FACT_BASE) is not original.marker and len(launches) == 1
-    if field == "dcp":
-        dcp[0], changed = 2, FACT_BASE
-    else:
-        changed = FACT_CASES[field]
+    changed = FACT_CASES[field]
     # Only the facts differ: the memo key's fields are the base call's.
     assert _key_fields(changed) == _key_fields(FACT_BASE)
     assert router.call_from(TARGET_MODULE, *changed) is original.marker, field
@@ -611,11 +626,65 @@ def test_the_stock_line_is_logged_at_info_once_per_shape_not_per_batch(plugin_lo
         wide[..., :132] = kv
         assert router.call_from(TARGET_MODULE, q, wide[..., :132], *rest) is stock
         assert router.call_from(TARGET_MODULE, q, kv, *rest, compress_ratio=2) is stock
-    assert launches == [] and router.calls_delegated == 128 and len(router.routes) == 128
+    # One memoised verdict for the strided cache (rules 1-2: no batch of it can reach FlyDSL), one per batch
+    # for compress_ratio 2 (a rule that reads next_n).
+    assert launches == [] and router.calls_delegated == 128 and len(router.routes) == 64
+    assert [v for v in router.caches.values() if isinstance(v, str)] == [lines_of(plugin_log)[0]]
     lines = [r for r in plugin_log if STOCK_CALL_LINE in r.getMessage()]
     assert [r.levelno for r in lines] == [logging.INFO] * 2, [r.getMessage() for r in lines]
     assert "kv_cache is strided" in lines[0].getMessage()
     assert "next_n=2 with compress_ratio=2" in lines[1].getMessage()
+
+
+def lines_of(plugin_log) -> list[str]:
+    """The stock lines' reasons, in order."""
+    messages = [r.getMessage() for r in plugin_log if STOCK_CALL_LINE in r.getMessage()]
+    return [m.split(STOCK_CALL_LINE, 1)[1].strip() for m in messages]
+
+
+class Spy:
+    """A tensor that records which of its attributes the router reads."""
+
+    def __init__(self, tensor, reads: list):
+        self.tensor, self.reads = tensor, reads
+
+    def __getattr__(self, name):
+        self.reads.append(name)
+        return getattr(self.tensor, name)
+
+    def __len__(self):
+        self.reads.append("len")
+        return len(self.tensor)
+
+    def __getitem__(self, index):
+        self.reads.append("getitem")
+        return self.tensor[index]
+
+
+def test_a_warm_call_on_a_cache_rules_1_2_keep_stock_reads_no_other_argument():
+    """Issue 51: where no batch of a cache can reach FlyDSL (a block-outer cache, C4A), a warm call reads the
+    cache's shape and contiguity and nothing of q, the weights, the bounds or the block tables."""
+    router, launches = _recording_router()
+    p = base_problem()
+    wide = torch.randint(0, 256, (p.kv_cache.shape[0], 64, 1, 2 * 132), dtype=torch.uint8)
+    for kv in (wide[..., :132], p.kv_cache):
+        reads: list[str] = []
+        spied = [Spy(t, reads) for t in (p.q_fp8, p.weights, p.context_lens, p.block_tables)]
+        args = as_args(p, q_fp8=spied[0], kv_cache_fp8=kv, weights=spied[1], context_lens=spied[2],
+                       block_tables=spied[3])  # fmt: skip
+        router.call_from(TARGET_MODULE, *args)  # decides
+        reads.clear()
+        for _ in range(3):
+            router.call_from(TARGET_MODULE, *args)
+        if not kv.is_contiguous():
+            assert reads == [] and launches == [], reads
+        else:  # a taken call reads q's and the bounds' shapes (the key), then the facts, then launches
+            key_and_facts = ["shape", "shape", "dtype", "dtype", "shape", "dtype", "dtype", "shape"]
+            key_and_facts += ["is_contiguous", "is_contiguous", "device"]
+            per_call = len(reads) // 3
+            assert len(launches) == 4 and reads[:per_call] * 3 == reads, reads
+            assert reads[: len(key_and_facts)] == key_and_facts, reads
+    assert router.calls_delegated == 4
 
 
 def test_the_taken_line_is_logged_at_info_once_per_shape_not_per_batch(plugin_log):

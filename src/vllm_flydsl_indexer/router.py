@@ -17,6 +17,7 @@ calling module, never a tensor value: no host sync, the same inside graph captur
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -49,21 +50,10 @@ ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
 STAYS_STOCK = "This call and every later call of this shape use the stock path until vLLM restarts"
 
 
-def call_facts(q, kv, w, lens, bt, dcp_world_size: int) -> tuple:
-    """What the rules read besides the memo key: dtypes, contiguity, other shapes, device, DCP size."""
-    return (
-        dcp_world_size, q.dtype, kv.dtype, w.dtype, w.shape, lens.dtype, bt.dtype, bt.shape,
-        q.is_contiguous(), w.is_contiguous(), q.device,
-    )  # fmt: skip
-
-
-def objection(
-    router: FlyDSLRouter, args: tuple, compress_ratio: int, caller: str | None, dcp: int
-) -> str | None:
-    """The rules in order: why this call stays stock, or ``None``; reasons name shapes, not batches. They
-    read the call's shapes and the plugin's start-up state, the same on every rank of a TP group."""
-    q, kv, w, lens, bt, _, _ = args
-    variant, block_size = router.variant, kv.shape[1]
+def cache_objection(router: FlyDSLRouter, kv, compress_ratio: int) -> str | None:
+    """Rules 1-2, the cache's own (its shape and contiguity, ``compress_ratio``): why no call with this cache
+    can reach FlyDSL, or ``None``. Their verdict is memoised on those three alone (the first memo level)."""
+    block_size = kv.shape[1]
     reason = router.hooks.gluon_objection(compress_ratio, block_size)
     if reason is not None:
         return f"stock does not use aiter's Gluon kernel here: {reason}"
@@ -72,6 +62,15 @@ def objection(
             f"kv_cache is strided (block stride {kv.stride(0)} bytes, not KVBlockSize*index_dim = "
             f"{block_size * kv.shape[-1]}), so this layer stays on the stock path. {BLOCK_OUTER_NOTE}"
         )
+    return None
+
+
+def objection(router: FlyDSLRouter, args: tuple, compress_ratio: int, caller: str | None) -> str | None:
+    """The rules after the cache's, in order: why this call stays stock, or ``None``; reasons name shapes,
+    not batches. They read the call's shapes and the plugin's start-up state (the DCP size: vLLM sets up
+    its parallel groups before it loads the model), the same on every rank of a TP group."""
+    q, kv, w, lens, bt, _, _ = args
+    variant, block_size = router.variant, kv.shape[1]
     reason = variant.violation(q, kv, w, lens, bt)
     if reason is not None:
         return reason
@@ -92,7 +91,7 @@ def objection(
             return (
                 f"next_n={next_n} with compress_ratio={compress_ratio}: compressed bounds are not one apart"
             )
-        if dcp != 1:
+        if (dcp := router.hooks.dcp_world_size()) != 1:
             return f"next_n={next_n} with decode context parallel size {dcp}: localised bounds"
     layout = router.hooks.preshuffle(block_size)
     if layout != (block_size > 1):
@@ -134,11 +133,12 @@ class Route:
     shape: tuple | None = None  # (heads, head_dim, KVBlockSize, next_n): what FlyDSL compiles
     caller: str | None = None
     kwargs: dict[str, object] = field(default_factory=dict)
-    facts: tuple = ()  # the call's facts (call_facts) the verdict was decided on
+    facts: tuple = ()  # the call's facts (FlyDSLRouter.call_from) the verdict was decided on
     bounds: str = ""  # the kind of bounds: "(B,)" or "(B, next_n)"
     fn: Callable | None = None  # aiter's _gfx950 entry where a measurement picked it; else the variant's
     source: str = "no table: FlyDSL wherever eligible"  # what decided FlyDSL
     ready: bool = False  # compiled outside capture and announced: the plain fast path applies
+    rows: int = 0  # the logits buffer's rows, batch * next_n (q's shape is in the memo key)
 
 
 def _versions() -> str:
@@ -175,6 +175,10 @@ class FlyDSLRouter:
         self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
         self.compiled: set[tuple] = set()
+        # The memo, two levels: (the cache's shape, its contiguity, compress_ratio) -> rules 1-2's reason, or
+        # the number that keys its calls' routes (q's and the bounds' shapes, max_model_len, the caller).
+        self.caches: dict[tuple, str | int] = {}
+        self.cache_numbers = itertools.count()  # unique even past the memo's room
         self.routes: dict[tuple, Route] = {}
         self.calls_taken = self.calls_delegated = 0
 
@@ -185,29 +189,35 @@ class FlyDSLRouter:
         self, caller, q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
         max_model_len, *, compress_ratio=1,
     ) -> torch.Tensor:  # fmt: skip
-        """Route one call made from module ``caller`` (``None``: unknown)."""
+        """Route one call made from module ``caller`` (``None``: unknown).
+
+        A warm call reads, beyond stock's own argument handling: for a cache that rules 1-2 keep stock (a
+        block-outer cache, C4A) the cache's contiguity and one lookup; for any other, q's and the bounds'
+        shapes and a second lookup; for a FlyDSL verdict, the call's facts too (the dtypes, the weights' and
+        block tables' shapes, q's and the weights' contiguity, q's device), compared with the verdict's."""
         key = None
         try:
-            # The memo key: q's, the cache's and the bounds' shapes, the cache's contiguity, max_model_len,
-            # compress_ratio and the caller.
-            key = (
-                q_fp8.shape, kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), context_lens.shape,
-                max_model_len, compress_ratio, caller,
-            )  # fmt: skip
-            route = self.routes.get(key)
-            # The hot path of a memoised stock verdict (every step, once warm) reads nothing more.
-            if route is None or route.reason is None:
-                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
-                        max_model_len)  # fmt: skip
-                facts = call_facts(
-                    q_fp8, kv_cache_fp8, weights, context_lens, block_tables, self.hooks.dcp_world_size()
-                )
-                if route is not None and route.ready and route.facts == facts:  # the warm FlyDSL path
-                    out = self._launch(route, args)
-                else:
-                    out = self._flydsl_or_none(key, route, args, facts, compress_ratio, caller)
-                if out is not None:
-                    return out
+            key = (kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), compress_ratio)
+            level = self.caches.get(key)
+            if level is None:
+                level = self._cache_level(key, kv_cache_fp8, compress_ratio)
+            if level.__class__ is int:  # rules 1-2 pass: the call's own key
+                key = (level, q_fp8.shape, context_lens.shape, max_model_len, caller)
+                route = self.routes.get(key)
+                if route is None or route.reason is None:
+                    args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+                            max_model_len)  # fmt: skip
+                    facts = (
+                        q_fp8.dtype, kv_cache_fp8.dtype, weights.dtype, weights.shape, context_lens.dtype,
+                        block_tables.dtype, block_tables.shape, q_fp8.is_contiguous(),
+                        weights.is_contiguous(), q_fp8.device,
+                    )  # fmt: skip
+                    if route is not None and route.ready and route.facts == facts:  # the warm FlyDSL path
+                        out = self._launch(route, args)
+                    else:
+                        out = self._flydsl_or_none(key, route, args, facts, compress_ratio, caller)
+                    if out is not None:
+                        return out
         except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
             self._router_failed(e, key, q_fp8, kv_cache_fp8)
         self.calls_delegated += 1
@@ -215,6 +225,18 @@ class FlyDSLRouter:
             q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len,
             compress_ratio=compress_ratio,
         )  # fmt: skip
+
+    def _cache_level(self, cache: tuple, kv, compress_ratio: int) -> str | int:
+        """The first memo level's entry for a new ``cache`` key: rules 1-2's reason (logged once), else a new
+        number for its calls' routes. Kept while the memo has room; never raises past the net."""
+        level = cache_objection(self, kv, compress_ratio)
+        if level is not None:
+            self.logger.info_once("%s %s", STOCK_CALL_LINE, level, scope="process")
+        else:
+            level = next(self.cache_numbers)
+        if len(self.caches) < MAX_MEMOISED_VERDICTS:
+            self.caches[cache] = level
+        return level
 
     def decide(self, args: tuple, compress_ratio: int) -> tuple | str | None:
         """The verdict on this call's signature, ``(backend, bucket, wg_per_cu, conflict, source)`` or why
@@ -309,8 +331,9 @@ class FlyDSLRouter:
         """The rules' verdict on a new call signature, kept while the memo has room (not from capture)."""
         q, kv, w, lens, bt, _, max_model_len = args
         shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
-        facts = facts or call_facts(q, kv, w, lens, bt, self.hooks.dcp_world_size())
-        reason, pick = objection(self, args, compress_ratio, caller, facts[0]), None
+        # Rules 1-2 again (they passed in call_from; check and tests memoise directly), then the rest.
+        reason = cache_objection(self, kv, compress_ratio) or objection(self, args, compress_ratio, caller)
+        pick = None
         if reason is None:  # every rank of a TP group gets here, failed shape or not
             pick = self.decide(args, compress_ratio)
             reason = pick_objection(self, pick, args)
@@ -326,6 +349,7 @@ class FlyDSLRouter:
             bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
             fn = kernel.fn if kernel is not self.variant else None
             route = Route(None, shape, caller, kwargs, facts, bounds, fn, *pick[4:] if pick else ())
+            route.rows = q.shape[0] * q.shape[1]
         if len(self.routes) < MAX_MEMOISED_VERDICTS and reason != measure.IN_CAPTURE:
             self.routes[key] = route
         return route
@@ -391,7 +415,7 @@ class FlyDSLRouter:
     def _launch(self, route: Route, args: tuple) -> torch.Tensor | None:
         """FlyDSL into the logits buffer taken exactly as stock takes it; ``None`` for stock's."""
         q, kv, w, lens, bt, _, max_model_len = args
-        out = self.hooks.output_buffer(q.shape[0] * q.shape[1], max_model_len)
+        out = self.hooks.output_buffer(route.rows, max_model_len)
         try:
             (route.fn or self.variant.fn)(
                 q, kv, w, out, self.hooks.per_sequence_lens(lens), bt, max_model_len, **route.kwargs
@@ -427,21 +451,23 @@ class FlyDSLRouter:
         return out
 
     def _router_failed(self, error: Exception, key: tuple | None, q, kv) -> None:
-        """The router's work on a call raised: this call gets stock's answer, its shape stays stock."""
+        """The router's work on a call raised: this call gets stock's answer, its shape stays stock (memoised
+        at the level it reached: ``key`` is the cache's 3-tuple or the call's 5-tuple, or ``None``)."""
         problem = f"raised {type(error).__name__} while routing this call: {error}"
         try:
             shape = shape_of(q, kv)
         except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
-            if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
-                self.routes[key] = Route(f"the router {problem}")
             self.logger.error_once(
                 "%s the router %s. It uses the stock path.", HEAD, problem, scope="process"
             )
-            return
-        if shape not in self.failed:  # the facts or a hook may raise at every call: one ERROR
-            self._shape_failed(shape, problem)
-        if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
-            self.routes[key] = Route(self.failed[shape])
+            reason = f"the router {problem}"
+        else:
+            if shape not in self.failed:  # the facts or a hook may raise at every call: one ERROR
+                self._shape_failed(shape, problem)
+            reason = self.failed[shape]
+        memo = self.caches if key is not None and len(key) == 3 else self.routes
+        if key is not None and len(memo) < MAX_MEMOISED_VERDICTS:
+            memo[key] = reason if memo is self.caches else Route(reason)
 
     def _shape_failed(self, shape: tuple, problem: str) -> None:
         """This shape stays stock until restart (every memoised route of it too), with one ERROR."""

@@ -1,0 +1,54 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The benchmarks still run (a benchmark that no longer runs is a defect): each, briefly, as a user runs it,
+its figures read back. Their numbers are not asserted (a 2-core CI machine is not a measurement)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST_PATHS = {"taken", "stock-bound", "stock-bound cache"}
+
+
+def run(script: str, *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.parametrize("mode", ["--standalone", "with vLLM"])
+def test_host_overhead_reports_every_path(tmp_path, mode):
+    if mode == "with vLLM":
+        pytest.importorskip("vllm")
+    out = tmp_path / "host.json"
+    flags = [mode] if mode.startswith("--") else []
+    stdout = run("host_overhead.py", *flags, "--calls", "20", "--rounds", "3", "--json", str(out))
+    result = json.loads(out.read_text())
+    assert HOST_PATHS <= set(result) and result["rounds"] == 3
+    for path in HOST_PATHS:
+        figures = result[path]
+        assert figures["stock_us"] > 0 and figures["patched_us"] > 0, figures
+        assert f"  {path} " in stdout
+    assert len(result["samples_us"]) == 2 * len(HOST_PATHS)
+
+
+def test_router_overhead_reports_both_paths_for_both_next_n():
+    lines = run("router_overhead.py", "--rounds", "3", "--calls", "20").splitlines()
+    assert [line.split(":")[0] for line in lines] == ["next_n=1", "next_n=2"], lines
+    assert all("router taken" in line and "stock-bound" in line for line in lines), lines
+
+
+def test_hot_path_lines_times_each_line():
+    lines = run("hot_path_lines.py", "--calls", "100").splitlines()
+    assert lines[0].startswith("cpu:")
+    timed = [line for line in lines[1:] if line.split()[1] == "ns"]
+    assert len(timed) == len(lines) - 1 >= 10, lines
+    assert any("memo level 1" in line for line in timed) and any("the facts" in line for line in timed)
