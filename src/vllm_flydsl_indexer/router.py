@@ -6,8 +6,9 @@ API, or handed to the original unchanged. It reads shapes, dtypes, strides, Pyth
 calling module, never a tensor value: no host sync, the same inside graph capture.
 
 * **The rules** (:func:`objection`), in order, the first reason logged once; the last asks the table, else
-  this node's measurement (:mod:`~vllm_flydsl_indexer.measure`). The verdict is memoised on the call's
-  signature and launched only while the call's other facts (:func:`call_facts`) are the same.
+  this node's measurement (:mod:`~vllm_flydsl_indexer.measure`). Verdicts are memoised on two levels (the
+  cache's rules, then the call's; :meth:`FlyDSLRouter.call_from` says what a warm call reads) and a FlyDSL
+  verdict is launched only while the call's facts are the same.
 * **The guards**: no first-time compile, self-test or measurement inside capture; a shape proves itself
   (:mod:`~vllm_flydsl_indexer.selftest`) at its first call outside capture; a failed shape stays stock.
 * **One net**: everything the router does runs in one ``try``; any exception gives stock's answer, one
