@@ -120,7 +120,7 @@ def test_check_puts_the_found_api_first(aiter_as, target, workspace, capsys):
     assert "\nas the gfx950 API (found)\n" in out
     assert out.index("as the gfx950 API (found)") < out.index("\nas the general API\n")
     assert "gfx950-early" not in out  # refused as an unsupported revision: no section of its own
-    assert lines[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"
+    assert lines[-1] == "60 passed, 0 failed (reference contracts, not the real kernels)"
 
 
 @pytest.mark.slow
@@ -135,4 +135,4 @@ def test_check_passes_on_a_device_with_many_cus(monkeypatch, target, workspace, 
     rc = cli.main(["check", "--batch", "4", "--context-len", "320", "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0, [line for line in out.splitlines() if line.startswith("FAIL")]
-    assert out.splitlines()[-1].startswith("62 passed, 0 failed")
+    assert out.splitlines()[-1].startswith("60 passed, 0 failed")

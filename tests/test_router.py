@@ -275,7 +275,8 @@ def test_dcp_is_read_when_a_signature_is_decided_never_on_a_warm_call():
         reads = []
         original = Recorder()
         router = router_for(
-            original, hooks_=dataclasses.replace(hooks(), dcp_world_size=lambda: reads.append(1) or dcp)
+            original,
+            hooks_=dataclasses.replace(hooks(), dcp_world_size=lambda r=reads, d=dcp: r.append(1) or d),
         )
         for _ in range(5):
             out = router.call_from(TARGET_MODULE, *as_args(p), compress_ratio=1)

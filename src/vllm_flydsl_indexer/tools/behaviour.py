@@ -13,8 +13,8 @@ wrapper does for what it refuses.
 
 * **API limits**: heads, KVBlockSize, next_n, a strided q.
 * **bounds and callers**: an unknown caller at next_n 2, next_n 1 with (B, 2) bounds.
-* **memo collisions**: DCP 2 after DCP 1, and a strided cache after a contiguous
-  one, each with identical shapes: the memo key must tell them apart.
+* **memo collisions**: a strided cache after a contiguous one, with identical shapes: the memo's
+  first level must tell them apart.
 * **Preshuffle differs from stock's**: hooks whose ``preshuffle`` says plain.
 * **pool at the i32 offset limit**: shapes only, through the router's rules
   with meta tensors (no launch, no 2 GiB allocated).
@@ -232,14 +232,6 @@ BEHAVIOURS = (
             Step(2, 64, STOCK, 0, next_n=2, caller=None),
             Step(2, 64, STOCK, 0, form="bounds2"),
             Step(2, 64, FLYDSL, 1, caller=None),
-        ),
-    ),
-    Behaviour(
-        "memo: DCP 2 after DCP 1, same shapes",
-        (
-            Step(2, 64, FLYDSL, 1, next_n=2),
-            Step(2, 64, STOCK, 0, next_n=2, dcp=2),
-            Step(2, 64, FLYDSL, 1, dcp=2),
         ),
     ),
     Behaviour(
