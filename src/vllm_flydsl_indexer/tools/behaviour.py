@@ -141,7 +141,8 @@ AITER_COLUMNS = (
 # A measured bucket's FlyDSL launches: one untimed (the compile), then one per round (one context: the
 # case's max_model_len is below AMD's tuner contexts).
 MEASURED = 1 + measure.ROUNDS
-# Made slower (or stock made slower): seconds added to each call, far above the reference arms' noise.
+# Made slower (or stock made slower): each call then waits this long plus twice its own run, so the slower
+# arm takes over 3x the other's time whatever the machine's load (both arms run the same reference work).
 MEASURE_DELAY_S = 0.02
 # The "cached" case's planted rows: (batch bucket, context_len), FlyDSL 2x faster; the first at a context
 # no call of the case has (never honoured), the second at the case's own.
@@ -365,12 +366,21 @@ class PlantedKernel:
         self.launches = 0
         self.paged_launches = 0
         self.knobs: list[dict[str, object]] = []
-        self.delay = 0.0  # seconds added to each launch: a FlyDSL made slower
+        self.delay = (
+            0.0  # a FlyDSL made slower: each launch waits this plus twice its own run (MEASURE_DELAY_S)
+        )
 
     def __call__(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         self.launches += 1
         self.knobs.append(dict(kwargs))
-        time.sleep(self.delay)
+        started = time.perf_counter()
+        try:
+            return self._launch(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
+        finally:
+            if self.delay:
+                time.sleep(self.delay + 2 * (time.perf_counter() - started))
+
+    def _launch(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         if self.fault == "raises" and kv_cache.shape[1] > 1:
             self.paged_launches += 1
             if self.paged_launches > 1:
@@ -609,8 +619,12 @@ def _run_behaviour(behaviour, contract, problems, device, topk, logger, result) 
             delay = MEASURE_DELAY_S if behaviour.measure == "faster" else 0.0
 
             def router_stock(*args, delay=delay, **kwargs):  # stock as the router sees it, made slower
-                time.sleep(delay)
-                return stock(*args, **kwargs)
+                started = time.perf_counter()
+                try:
+                    return stock(*args, **kwargs)
+                finally:
+                    if delay:
+                        time.sleep(delay + 2 * (time.perf_counter() - started))
 
         router = FlyDSLRouter(
             router_stock, variant, hooks, logger, table=table, self_test=behaviour.self_test, tune=tune
