@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""doctor, check and bench, on three simulated machines."""
+"""doctor, check, bench and tune, on three simulated machines."""
 
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def test_check_passes_with_reference_arms_and_says_so(machine):
         "no-vllm": f"{STOCK_COPY} (vLLM unavailable",
     }[machine]
     assert stock in proc.stdout
-    assert proc.stdout.splitlines()[-1] == "62 passed, 0 failed (reference contracts, not the real kernels)"
+    assert proc.stdout.splitlines()[-1] == "60 passed, 0 failed (reference contracts, not the real kernels)"
     assert proc.stdout.count("PASS") == 62
     assert "router behaviour, a fresh router per case and API" in proc.stdout
     assert "even where real kernels exist" in proc.stdout
@@ -379,6 +379,7 @@ BAD_INPUT = [
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json", "does not exist"),
     (["bench", "--csv", "/nonexistent/dir/x.csv"], "--csv", "does not exist"),
     (["bench", "--tune", "/nonexistent/dir/t.csv"], "--tune", "does not exist"),
+    (["tune", "--out", "/nonexistent/dir/t.csv"], "--out", "does not exist"),
     (["bench", "--batch", "1", "--context-len", "64,1", "--next-n", "2"], "--next-n", "<= --context-len"),
     # Limits over two options, checked with the default of the one not given (no GPU here).
     (["check", "--next-n", "4096"], "--next-n", "<= --context-len 2048 (the default on CPU), got 4096"),
@@ -386,6 +387,8 @@ BAD_INPUT = [
     (["check", "--context-len", "1", "--next-n", "2"], "--next-n", "<= --context-len 1, got 2"),
     (["bench", "--next-n", "5000"], "--next-n", "<= --context-len (4096, the default), got 5000"),
     (["bench", "--tune", "t.csv", "--reference", "--next-n", "2000"], "--next-n", "(1024, the default)"),
+    (["tune", "--out", "t.csv", "--reference", "--next-n", "1025"], "--next-n", "(1024, the default)"),
+    (["tune", "--out", "t.csv", "--next-n", "8193"], "--next-n", "(8192, the default)"),
     # What the tool can run: 2 GiB of KV pool and of logits, said in the message.
     (
         ["check", "--batch", "1000000000"],
@@ -411,9 +414,12 @@ BAD_INPUT = [
     (["bench", "--csv", "/proc/out.csv"], "--csv", "/proc/out.csv is under /proc, a kernel interface"),
     (["bench", "--json", "/proc/out.json"], "--json", "/proc/out.json is under /proc, a kernel interface"),
     (["bench", "--tune", "/proc/t.csv", "--reference"], "--tune", "/proc/t.csv is under /proc, a kernel"),
-    # bench --tune: options it would not use, and no gfx950 GPU (before the kernel probe).
-    (["bench", "--tune", "t.csv"], "--tune", "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels"),
-    (["bench", "--tune", "t.csv", "--device", "cpu"], "--tune", "got --device cpu; add --reference"),
+    (["tune", "--out", "/proc/t.csv", "--reference"], "--out", "/proc/t.csv is under /proc, a kernel"),
+    # One tuning command: tune --out (a table) or tune --model (the node cache), never both, never neither,
+    # and neither takes the other's options; bench --tune, the old spelling, refuses what tune --out does.
+    (["tune"], "--model", None),
+    (["tune", "--model", "deepseek_v32", "--out", "t.csv"], "--out", "not allowed with argument --model"),
+    (["tune", "--out", "t.csv", "--max-batch", "4"], "--max-batch", "not used with --out (it bounds the"),
     (["bench", "--tune", "t.csv", "--reference", "--csv", "b.csv"], "--csv", "not used with --tune"),
     (["bench", "--tune", "t.csv", "--reference", "--plot", "b.png"], "--plot", "not used with --tune"),
     (["bench", "--tune", "t.csv", "--reference", "--arms", "gluon"], "--arms", "not used with --tune"),
@@ -426,6 +432,8 @@ BAD_INPUT = [
     (["bench", "--next-n", "4096"], None, None),
     (["bench", "--batch", "3971"], None, None),
     (["bench", "--tune", "t.csv", "--reference", "--json", "j.json"], None, None),
+    (["tune", "--out", "t.csv", "--reference", "--json", "j.json", "--next-n", "1024"], None, None),
+    (["tune", "--out", "t.csv", "--next-n", "8192", "--seed", "7"], None, None),
 ]
 
 
@@ -441,8 +449,11 @@ def test_bad_input_is_one_line_naming_the_argument_before_any_work(
         assert cli_mod.main(argv) == 0 and len(no_work) == 1
         return
     line = rejected(argv, capsys)
-    assert line.startswith(f"vllm-flydsl-indexer {argv[0]}: error: argument {argument}: "), line
-    assert accepted in line, line
+    if accepted is None:  # tune given neither --model nor --out: argparse's words for the pair
+        assert line == "vllm-flydsl-indexer tune: error: one of the arguments --model --out is required"
+    else:
+        assert line.startswith(f"vllm-flydsl-indexer {argv[0]}: error: argument {argument}: "), line
+        assert accepted in line, line
     assert no_work == []
     assert list(tmp_path.iterdir()) == []
 
@@ -594,6 +605,8 @@ CONSOLE_BAD_INPUT = [
     ["bench", "--batch", "1,,2"],
     ["bench", "--csv", "/proc/out.csv"],
     ["bench", "--tune", "/proc/t.csv", "--reference"],
+    ["tune", "--out", "/proc/t.csv", "--reference"],
+    ["tune", "--repeats", "5", "--model", "deepseek_v32"],
 ]
 
 
@@ -616,7 +629,8 @@ def test_parser_and_help_import_no_torch():
         "import sys\n"
         "import vllm_flydsl_indexer.tools.cli as c\n"
         "c.build_parser()\n"
-        "for argv in (['--help'], ['doctor', '--help'], ['check', '--help'], ['bench', '--help']):\n"
+        "for argv in (['--help'], ['doctor', '--help'], ['check', '--help'], ['bench', '--help'], "
+        "['tune', '--help']):\n"
         "    try:\n"
         "        c.main(argv)\n"
         "    except SystemExit as e:\n"
@@ -721,18 +735,100 @@ def test_tune_with_json_writes_it_and_takes_an_empty_csv_as_new(tmp_path, capsys
 
     table, report = tmp_path / "t.csv", tmp_path / "j.json"
     table.touch()  # an existing, empty file: a new table
-    argv = ["bench", "--tune", str(table), "--reference", "--json", str(report), "--device", "cpu"]
+    argv = ["tune", "--out", str(table), "--reference", "--json", str(report), "--device", "cpu"]
     small = ["--heads", "32", "--block-size", "64", "--next-n", "1", "--batch", "1", "--repeats", "1"]
     assert cli_mod.main([*argv, *small, "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "wrote 1 rows" in out and "kept 0 earlier rows" in out
-    assert f"bench --tune: wrote JSON to {report}" in out
+    assert f"tune --out: wrote JSON to {report}" in out
     data = json.loads(report.read_text())
     assert data["meta"]["gfx"] == "reference" and data["meta"]["device"] == "cpu"
     assert len(data["rows"]) == 1 and list(data["rows"][0]) == list(tuning.COLUMNS)
     lines = table.read_text().splitlines()
     assert lines[0] == ",".join(tuning.COLUMNS) and len(lines) == 2
     assert lines[1].split(",")[:3] == ["reference", "1", "1"]
+
+
+def tune_twice(tmp_path, monkeypatch, capsys, first: str, second: str):
+    """The same sweep spelled ``first`` then ``second`` (``tune --out`` or ``bench --tune``), each into its
+    own table over the same earlier row, each candidate's time a fresh random number of this run (the same
+    numbers for both spellings): what each printed and wrote, and which command reached ``tune.main``."""
+    import random
+
+    from vllm_flydsl_indexer import tuning
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+    from vllm_flydsl_indexer.tools import tune
+
+    times = iter([random.uniform(1.0, 100.0) for _ in range(5)] * 2)
+    monkeypatch.setattr(tune, "_time", lambda *a, **k: next(times))
+    ran = []
+    real_main = tune.main
+    monkeypatch.setattr(tune, "main", lambda args: ran.append(args.command) or real_main(args))
+    earlier = f"reference,1,8,1,32,128,64,1,1024,gluon,256,2,0,{random.uniform(1, 9):.3f},1.0,"
+    results = []
+    for spelling in (first, second):
+        table = tmp_path / f"{spelling.split()[0]}.csv"
+        table.write_text(f"# mine\n{','.join(tuning.COLUMNS)}\n{earlier}\n")
+        command, flag = spelling.split()
+        argv = [command, flag, str(table), "--reference", "--device", "cpu", "--heads", "32", "--batch", "1"]
+        status = cli_mod.main([*argv, "--block-size", "64", "--next-n", "1", "--context-len", "64"])
+        out = capsys.readouterr()
+        results.append((status, out.out, out.err.splitlines(), table.read_text()))
+    return results, ran
+
+
+def test_bench_tune_is_tune_out_said_in_one_line_through_the_same_code(tmp_path, monkeypatch, capsys):
+    from vllm_flydsl_indexer.tools import settings
+
+    (new, old), ran = tune_twice(tmp_path, monkeypatch, capsys, "tune --out", "bench --tune")
+    assert ran == ["tune", "bench"] and new[0] == old[0] == 0
+    assert new[3] == old[3]  # the same table, byte for byte: the earlier row and comment kept, one row added
+    assert new[3].startswith("# mine\n") and new[3].count("\nreference,1,") == 2
+    alias = f"vllm-flydsl-indexer bench --tune: {settings.TUNE_ALIAS}"
+    assert "`vllm-flydsl-indexer tune --out FILE`" in alias
+    assert old[2][0] == alias and old[2][1:] == new[2]  # one line more, first; the progress lines the same
+    assert alias not in "\n".join(new[2])
+    for (_, out, _, _), spelling in ((new, "tune --out"), (old, "bench --tune")):
+        table = tmp_path / f"{spelling.split()[0]}.csv"
+        what = "REFERENCE timings, not kernel timings (gfx=reference)"
+        assert out == f"{spelling}: wrote 1 rows ({what}) to {table}, kept 1 earlier rows\n"
+
+
+def test_tune_out_refuses_a_machine_without_kernel_timings_before_any_work(tmp_path, monkeypatch, capsys):
+    """Without a gfx950 GPU and both kernels (here: no GPU) and without --reference, one line naming the
+    option as typed, exit 2, before anything is timed or any file written; the alias adds no line to it."""
+    from vllm_flydsl_indexer.tools import tune
+
+    monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
+    no_gpu(monkeypatch)
+    for argv, flag in (
+        (["tune", "--out"], "--out"),
+        (["bench", "--tune"], "--tune"),
+        (["tune", "--device", "cpu", "--out"], "--out"),
+    ):
+        table = tmp_path / f"{os.urandom(4).hex()}.csv"
+        line = rejected([*argv, str(table), "--batch", "1"], capsys)
+        assert line.startswith(f"vllm-flydsl-indexer {argv[0]}: error: argument {flag}: needs a gfx950 GPU")
+        assert "(device cpu is not a gfx950 GPU); add --reference for a dry run" in line
+        assert not table.exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tune_help_documents_both_forms_and_every_output_rule(capsys):
+    from vllm_flydsl_indexer.tools import cli as cli_mod
+    from vllm_flydsl_indexer.tools import outputs, settings
+
+    with pytest.raises(SystemExit):
+        cli_mod.main(["tune", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(--model M | --out FILE)" in text and "--out FILE sweep the grid below into an aiter" in text
+    for words in (outputs.OUTPUT_RULE, settings.STOP_TUNE, "with --out FILE only: --heads HEADS"):
+        assert " ".join(words.split()) in text, words
+    with pytest.raises(SystemExit):
+        cli_mod.main(["bench", "--help"])
+    assert "the old spelling of `vllm-flydsl-indexer tune --out OUT.csv`" in " ".join(
+        capsys.readouterr().out.split()
+    )
 
 
 def test_bench_keeps_the_results_when_a_late_write_fails(tmp_path, monkeypatch, capsys):
@@ -789,12 +885,12 @@ def test_tune_keeps_the_rows_when_the_late_write_fails(tmp_path, monkeypatch, ca
         return rows
 
     monkeypatch.setattr(tune, "tune_rows", rows_then_lose_the_directory)
-    argv = ["bench", "--tune", str(out_dir / "t.csv"), "--reference", "--device", "cpu", "--heads", "32"]
+    argv = ["tune", "--out", str(out_dir / "t.csv"), "--reference", "--device", "cpu", "--heads", "32"]
     small = ["--block-size", "64", "--next-n", "1", "--batch", "1", "--repeats", "1", "--warmup", "0"]
     rc = cli_mod.main([*argv, *small])
     out = capsys.readouterr()
     assert rc == 1 and "Traceback" not in out.err
-    assert out.err.splitlines()[-1].startswith("bench --tune: could not write ")
+    assert out.err.splitlines()[-1].startswith("tune --out: could not write ")
     assert "gfx,cu_num,batch_size" in out.out and "\nreference,1,1,1,32,128,64,1,1024," in out.out
 
 

@@ -195,6 +195,11 @@ def test_a_device_node_is_refused_as_an_output_and_left_a_device(no_work, monkey
         assert line.startswith(f"vllm-flydsl-indexer bench: error: argument {flag}: /dev/null is a character")
         assert_dev_null_intact()
     assert rejected(["bench", "--tune", "/dev/zero", "--reference"], capsys).endswith("give a file path")
+    line = rejected(["tune", "--out", "/dev/null", "--reference"], capsys)
+    assert line == (
+        "vllm-flydsl-indexer tune: error: argument --out: /dev/null is a character device, not a regular "
+        "file; give a file path"
+    )
     assert no_work == []
     assert_dev_null_intact()
 
@@ -222,10 +227,12 @@ def test_two_outputs_on_one_file_are_refused_under_any_spelling(tmp_path, no_wor
         (["--json", "../out.json", "--csv", "./../out.json"], "--csv"),
         (["--json", str(tmp_path / "link.json"), "--csv", "../out.json"], "--csv"),
         (["--tune", "../t.csv", "--reference", "--json", str(tmp_path / "sub" / ".." / "t.csv")], "--tune"),
+        (["--out", str(tmp_path / "link.json"), "--reference", "--json", "../out.json"], "--out"),
     ]
     for argv, flag in cases:
-        line = rejected(["bench", *argv], capsys)
-        assert line.startswith(f"vllm-flydsl-indexer bench: error: argument {flag}: "), line
+        command = "tune" if argv[0] == "--out" else "bench"
+        line = rejected([command, *argv], capsys)
+        assert line.startswith(f"vllm-flydsl-indexer {command}: error: argument {flag}: "), line
         assert "writes too; give each output its own file" in line
     assert (tmp_path / "t.csv").read_text() == before and not (tmp_path / "out.json").exists()
     assert no_work == []
@@ -276,11 +283,10 @@ def test_an_oversized_tune_file_is_refused_before_any_work(tmp_path, no_work, mo
     with open(big, "w") as f:
         f.write(table_text([ONE_ROW]))
         f.truncate(files.MAX_READ_BYTES + 1)
-    line = rejected(["bench", "--tune", str(big), "--reference"], capsys)
-    assert (
-        line.startswith("vllm-flydsl-indexer bench: error: argument --tune: cannot read ")
-        and "larger than" in line
-    )
+    for command, flag in (("bench", "--tune"), ("tune", "--out")):
+        line = rejected([command, flag, str(big), "--reference"], capsys)
+        assert line.startswith(f"vllm-flydsl-indexer {command}: error: argument {flag}: cannot read ")
+        assert "larger than" in line
     assert no_work == [] and big.stat().st_size == files.MAX_READ_BYTES + 1
 
 
@@ -291,6 +297,7 @@ def test_an_oversized_tune_file_is_refused_before_any_work(tmp_path, no_work, mo
     "argv, flag",
     [
         (["bench", "--tune", "t.csv", "--reference", "--batch", "1,1"], "--batch"),
+        (["tune", "--out", "t.csv", "--reference", "--heads", "32,64,32"], "--heads"),
         (["bench", "--heads", "32,64,032"], "--heads"),
         (["bench", "--block-size", "64,1,64"], "--block-size"),
         (["bench", "--arms", "gluon,gluon"], "--arms"),
@@ -311,7 +318,7 @@ def test_a_tuned_table_never_gets_two_rows_of_one_key():
     first = dict(ONE_ROW, us=3.0, flydsl_us=3.0)
     later = dict(ONE_ROW, backend="gluon", ChunkK=16, WavePerEU=2, us=2.0)
     other = dict(ONE_ROW, batch_size=8)
-    text, kept = tune.table_text([], [first, other, later])
+    text, kept = tune.table_text(None, [first, other, later])
     rows = list(validator.read_rows(text.splitlines(keepends=True), "t.csv"))
     # the later measurement of batch 1 replaces the earlier one; batch 8 is another key
     assert kept == 0 and sorted((r.batch, r.backend) for r in rows) == [(1, "gluon"), (8, "flydsl")]
@@ -465,7 +472,7 @@ def test_an_output_that_is_the_commands_own_stdout_or_stderr_is_refused(tmp_path
 
 
 def test_a_symlink_to_a_new_file_is_one_behaviour_for_every_output(tmp_path, no_work, monkeypatch, capsys):
-    """A link whose target does not exist yet is a new file for --json, --csv and --tune alike."""
+    """A link whose target does not exist yet is a new file for --json, --csv, --tune and --out alike."""
     from vllm_flydsl_indexer.tools import cli as cli_mod
 
     no_gpu(monkeypatch)
@@ -475,7 +482,8 @@ def test_a_symlink_to_a_new_file_is_one_behaviour_for_every_output(tmp_path, no_
         argv = ["bench", "--device", "cpu", flag, str(link)] + (["--reference"] if flag == "--tune" else [])
         assert cli_mod.main(argv) == 0, capsys.readouterr().err
         assert getattr(no_work[-1], {"--json": "json_path", "--csv": "csv_path", "--tune": "tune_path"}[flag])
-    assert len(no_work) == 3 and link.is_symlink() and not (tmp_path / "target.x").exists()
+    assert cli_mod.main(["tune", "--out", str(link), "--reference"]) == 0 and no_work[-1].command == "tune"
+    assert len(no_work) == 4 and link.is_symlink() and not (tmp_path / "target.x").exists()
     outputs.write_atomic(str(link), "new\n")
     assert link.is_symlink() and (tmp_path / "target.x").read_text() == "new\n"
     dangling = tmp_path / "d.json"
@@ -485,6 +493,10 @@ def test_a_symlink_to_a_new_file_is_one_behaviour_for_every_output(tmp_path, no_
             ["--reference"] if flag == "--tune" else []
         )
         assert f"argument {flag}: cannot open {dangling} for writing" in rejected(argv, capsys)
+    line = rejected(["tune", "--out", str(dangling), "--reference"], capsys)
+    assert line.startswith(
+        f"vllm-flydsl-indexer tune: error: argument --out: cannot open {dangling} for writing"
+    )
 
 
 def test_bench_help_says_what_every_output_accepts(capsys):

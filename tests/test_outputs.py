@@ -1,8 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Writers that share a file keep every row (issue 45): ``bench --tune`` merges under a lock."""
+"""Writers that share a file keep every row (issue 45): ``tune --out`` merges a table, and ``tune --model``
+fills the node cache, under one lock (``outputs.locked``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from argparse import Namespace
@@ -43,7 +45,8 @@ def test_three_tunes_at_once_into_one_table_keep_all_three_rows(tmp_path, monkey
     statuses = {}
 
     def run(batch):
-        args = Namespace(device="cpu", reference=True, tune_path=str(table), json_path=None, batch=(batch,))
+        args = Namespace(command="tune", device="cpu", reference=True, tune_path=str(table), json_path=None)
+        args.batch = (batch,)
         statuses[batch] = tune.main(args)
 
     threads = [threading.Thread(target=run, args=(b,)) for b in batches]
@@ -78,6 +81,29 @@ def test_the_lock_excludes_a_second_holder_until_the_first_is_done(tmp_path):
     thread.join(10)
     assert order == ["first", "second"]
     assert outputs.lock_path(path) == str(tmp_path / ".t.csv.lock")
+
+
+def test_a_wait_for_the_lock_is_said_once_and_a_free_lock_says_nothing(tmp_path, capsys):
+    path = str(tmp_path / f"{os.urandom(4).hex()}.csv")
+    said = f"waiting {os.urandom(4).hex()}"
+    with outputs.locked(path, said):
+        pass
+    assert capsys.readouterr().err == ""
+    held, done = threading.Event(), threading.Event()
+
+    def holder():
+        with outputs.locked(path):
+            held.set()
+            done.wait(10)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    held.wait(10)
+    threading.Timer(0.3, done.set).start()
+    with outputs.locked(path, said):
+        assert done.is_set()  # entered only once the holder let go
+    thread.join(10)
+    assert capsys.readouterr().err == f"{said}\n"
 
 
 def test_a_table_that_turned_bad_during_the_run_is_not_overwritten_and_the_rows_are_printed(tmp_path, capsys):
@@ -162,6 +188,9 @@ def test_the_installed_packages_own_files_are_refused(bench_reached, capsys):
         assert f"argument {flag}: {table} is a file of the installed vllm_flydsl_indexer package" in line
     line = refused([*BENCH, "--tune", str(table), "--reference"], capsys)
     assert "argument --tune: " in line and "installed vllm_flydsl_indexer package" in line
+    line = refused(["tune", "--out", str(table), "--reference"], capsys)
+    assert line.startswith("vllm-flydsl-indexer tune: error: argument --out: ")
+    assert "installed vllm_flydsl_indexer package" in line
     line = refused([*BENCH, "--json", str(package / "new.json")], capsys)
     assert "installed vllm_flydsl_indexer package" in line
     assert table.read_bytes() == before and not (package / "new.json").exists()
@@ -183,7 +212,8 @@ def test_the_table_the_plugin_reads_is_refused_but_tune_merges_into_it(
     from vllm_flydsl_indexer.tools import cli as cli_mod
 
     assert cli_mod.main([*BENCH, "--tune", str(table), "--reference"]) == 0
-    assert len(bench_reached) == 1 and bench_reached[0].tune_path == str(table)
+    assert cli_mod.main(["tune", "--out", str(link), "--reference"]) == 0
+    assert [(a.command, a.tune_path) for a in bench_reached] == [("bench", str(table)), ("tune", str(link))]
 
 
 @pytest.mark.parametrize(

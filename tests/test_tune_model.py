@@ -156,7 +156,12 @@ def test_a_planted_cache_row_is_read_not_measured(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "argv, words",
     [
-        ([], "the following arguments are required: --model"),
+        ([], "one of the arguments --model --out is required"),
+        (
+            ["--model", "deepseek_v32", "--batch", "4"],
+            "argument --batch: only with --out FILE (a swept table)",
+        ),
+        (["--reference", "--model", "deepseek_v32"], "argument --reference: only with --out FILE"),
         (["--model", "llama"], "--model llama: not a directory or a known model type"),
         (["--model", "someorg/unknown"], "nor a Hugging Face model id with its config.json"),
         (["--model", "deepseek_v4"], "indexer cache is block-outer (BLHNC"),
@@ -228,7 +233,9 @@ def test_tune_help_imports_no_torch():
     )
     done = run_python(code, simulation_env())
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "--max-batch B" in done.stdout and "CUDA-graph capture sizes" in done.stdout
+    text = " ".join(done.stdout.split())
+    assert "--max-batch B" in text and "CUDA-graph capture sizes" in text
+    assert "(--model M | --out FILE)" in text and "with --out FILE only:" in text
 
 
 def test_a_model_id_reads_its_config_from_the_local_hugging_face_cache(tmp_path):
@@ -411,6 +418,60 @@ def test_a_row_another_writer_merged_away_is_written_again(tmp_path, here, monke
     with open(cache_file_here(), newline="") as f:
         f.readline()
         assert sorted(int(r["batch_size"]) for r in csv.DictReader(f)) == [1, 2]
+
+
+def test_a_second_tune_waits_for_the_one_filling_the_cache_then_reads_its_rows(here, monkeypatch, capsys):
+    """One lock for every file a tool merges into (``outputs.locked``): while another tune holds the node
+    cache's, this one says it waits and measures nothing; once that one has written its row (fresh random
+    figures) and let go, this one reads it as cached and measures only the other bucket."""
+    import fcntl
+    import random
+    import threading
+
+    import torch
+
+    from vllm_flydsl_indexer import measure, tuning
+    from vllm_flydsl_indexer.tools import outputs
+    from vllm_flydsl_indexer.tools.settings import TUNE_MODEL_CPU_MAX_MODEL_LEN
+
+    path, key = cache_file_here(), measure.cache_key(torch.device("cpu"), "gfx950", 1)
+    path.parent.mkdir(mode=0o700, parents=True)
+    flydsl, gluon = random.uniform(5.0, 10.0), random.uniform(20.0, 50.0)
+    context = measure.contexts_of(TUNE_MODEL_CPU_MAX_MODEL_LEN)
+    values = ("gfx950", 1, 2, 1, 64, 128, 64, True, context, "flydsl", 0, 0, 0, flydsl, gluon, flydsl)
+    held, blocked = threading.Event(), threading.Event()
+    real_flock = fcntl.flock
+
+    def flock(fd, operation):  # this thread's blocking wait for the lock, seen by the holder
+        if operation == fcntl.LOCK_EX and threading.current_thread() is threading.main_thread():
+            assert here == [], "a bucket was built before the lock was held"
+            blocked.set()
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+
+    def first_tune():
+        with outputs.locked(str(path)):
+            held.set()
+            assert blocked.wait(60), "the second tune never waited for the lock"
+            assert measure.write_cache(path, key, [dict(zip(tuning.COLUMNS, values, strict=True))]) is None
+
+    thread = threading.Thread(target=first_tune)
+    thread.start()
+    assert held.wait(10)
+    from vllm_flydsl_indexer.tools import cli
+
+    status = cli.main(["tune", "--model", "deepseek_v32", "--max-batch", "2"])
+    thread.join(10)
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert (
+        f"vllm-flydsl-indexer tune: waiting for another tune that is filling {path}" in out.err.splitlines()
+    )
+    rows = table_rows(out.out)
+    assert rows[0][3] == "1" and rows[0][6] == MEASURED and here == [1, 1]
+    assert rows[1] == ["64", "1", "64", "2", "FlyDSL", f"{gluon / flydsl:.2f}x", CACHED]
+    assert os.path.exists(outputs.lock_path(str(path)))  # the one lock file, beside the cache it guards
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@
 Two readers: the plugin's (``tuning``: lenient, as aiter's; a row the lookup cannot use is skipped with one
 WARNING per file, a file with no usable row falls to the next source) and the tools' validator
 (``tools/tuned.py``: every cell, with file, line and column; doctor lists each skipped row's reason and
-``bench --tune`` refuses to merge into a bad table).
+``tune --out`` refuses to merge into a bad table).
 """
 
 from __future__ import annotations
@@ -309,7 +309,7 @@ def test_the_validator_checks_every_cell(text, message):
 
 
 def test_the_validators_table_for_a_gpu_is_the_plugins():
-    """``tools.tuned.read`` (doctor's, bench --tune's): every row valid, then the plugin's lookup over them; a
+    """``tools.tuned.read`` (doctor's, tune --out's): every row valid, then the plugin's lookup over them; a
     file with no row for the GPU is refused with the plugin's words."""
     assert validator.read_rows(io.StringIO(HEADER + "\n"), "t.csv") == []
     with pytest.raises(validator.TableError, match=r"^t.csv: 0 rows, 0 unusable, none usable for gfx950$"):
@@ -543,7 +543,7 @@ def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsy
     path = tmp_path / "tuned.csv"
     earlier = row(gfx="gfx950", cu=256, batch=64)
     path.write_text(table_text(earlier, row(gfx="reference", cu=1, batch=1, ctx=1024, backend="gluon")))
-    assert cli.main(["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS]) == 0
+    assert cli.main(["tune", "--out", str(path), "--reference", "--device", "cpu", *TUNE_ARGS]) == 0
     out = capsys.readouterr().out
     assert "wrote 4 rows (REFERENCE timings, not kernel timings (gfx=reference))" in out and "kept 1" in out
     lines = path.read_text().splitlines()
@@ -558,21 +558,22 @@ def test_reference_tune_run_writes_a_table_the_plugin_reads_back(tmp_path, capsy
     assert usable(tuning.parse(path.read_text(), "gfx950", str(path))) == 1
 
 
-def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, capsys):
-    from vllm_flydsl_indexer.tools import cli
+def test_tune_refuses_without_a_gfx950_gpu_or_over_a_foreign_csv(tmp_path, monkeypatch, capsys):
+    from vllm_flydsl_indexer.tools import cli, tune
 
+    monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
     path = tmp_path / "tuned.csv"
     with pytest.raises(SystemExit) as refused:
-        cli.main(["bench", "--tune", str(path), "--device", "cpu", *TUNE_ARGS])
+        cli.main(["tune", "--out", str(path), "--device", "cpu", *TUNE_ARGS])
     assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels" in err[0]
-    assert err[0].startswith("vllm-flydsl-indexer bench: error: argument --tune: ")
+    assert err[0].startswith("vllm-flydsl-indexer tune: error: argument --out: ")
     assert not path.exists()
     foreign = tmp_path / "other.csv"
     foreign.write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit) as refused:
-        cli.main(["bench", "--tune", str(foreign), "--reference", "--device", "cpu", *TUNE_ARGS])
+        cli.main(["tune", "--out", str(foreign), "--reference", "--device", "cpu", *TUNE_ARGS])
     assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "not an aiter-format tuned CSV" in err[0]
@@ -629,7 +630,7 @@ def test_doctor_shows_the_table_and_each_buckets_arm(tmp_path):
 def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plugin_log, capsys):
     """A row whose preshuffle disagrees with its kv_block_size, and one with an Arabic-Indic batch, beside
     rows that match calls: the plugin skips them (one WARNING with the count), doctor names each one's line
-    and column, bench --tune refuses to merge into the table, and doctor never raises."""
+    and column, tune --out refuses to merge into the table, and doctor never raises."""
     from vllm_flydsl_indexer.tools import cli, doctor, tune
 
     path = tmp_path / "tuned.csv"
@@ -653,7 +654,7 @@ def test_one_row_rule_for_the_plugin_doctor_and_tune(tmp_path, monkeypatch, plug
     assert f"  skipped by the plugin: {path}: {why_digit}" in rendered
     monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
     with pytest.raises(SystemExit) as refused:
-        cli.main(["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS])
+        cli.main(["tune", "--out", str(path), "--reference", "--device", "cpu", *TUNE_ARGS])
     assert refused.value.code == 2 and why in capsys.readouterr().err
 
 
@@ -828,7 +829,7 @@ def test_doctor_and_the_loader_survive_any_file(make, tmp_path, monkeypatch, plu
     )  # one reader
 
 
-# ---------------------------------------------------------------- bench --tune measures and writes the knob
+# ---------------------------------------------------------------- tune --out measures and writes the knob
 
 
 def tune_with_fake_times(monkeypatch, tmp_path, times: dict, extra: tuple[str, ...] = ()):
@@ -863,7 +864,7 @@ def tune_with_fake_times(monkeypatch, tmp_path, times: dict, extra: tuple[str, .
     monkeypatch.setattr(tune, "tuned_variant", recording_variant)
     monkeypatch.setattr(tune, "_time", lambda fn, *a: times[getattr(fn, "wg_per_cu", "gluon")])
     path = tmp_path / "t.csv"
-    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", "--heads", "32"]
+    argv = ["tune", "--out", str(path), "--reference", "--device", "cpu", "--heads", "32"]
     small = ["--block-size", "64", "--next-n", "1", "--batch", "1,4", "--repeats", "1", "--warmup", "0"]
     rc = cli.main([*argv, *small, *extra])
     with open(path, newline="") as f:
@@ -906,13 +907,13 @@ def test_tune_refuses_to_merge_into_a_malformed_table_before_any_work(tmp_path, 
     path.write_text(table_text(row(batch=1), row(batch="abc")))
     before = path.read_bytes()
     monkeypatch.setattr(tune, "tune_rows", lambda *a, **k: pytest.fail("timed before refusing"))
-    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", *TUNE_ARGS]
+    argv = ["tune", "--out", str(path), "--reference", "--device", "cpu", *TUNE_ARGS]
     with pytest.raises(SystemExit) as refused:
         cli.main(argv)
     assert refused.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith("vllm-flydsl-indexer bench: error: argument --tune: ")
+    assert err[0].startswith("vllm-flydsl-indexer tune: error: argument --out: ")
     assert f"{path}: line 3, column batch_size: 'abc' is not an integer" in err[0]
     assert path.read_bytes() == before
 
@@ -927,7 +928,7 @@ def test_tune_replaces_rows_of_the_same_key_and_keeps_the_rest_as_read(tmp_path,
     )  # as written, not normalised
     old = [row(gfx="reference", cu=1, batch=1, ctx=ctx, backend="gluon") for ctx in (512, 1024)]
     path.write_text(table_text(kept, *old))
-    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", "--heads", "32", "--batch", "1"]
+    argv = ["tune", "--out", str(path), "--reference", "--device", "cpu", "--heads", "32", "--batch", "1"]
     small = ["--block-size", "64", "--next-n", "1", "--repeats", "1", "--warmup", "0"]
     assert cli.main([*argv, *small]) == 0
     assert "wrote 1 rows" in capsys.readouterr().out
@@ -944,7 +945,7 @@ SMALL_TUNE = ["--heads", "32", "--batch", "1", "--block-size", "64", "--next-n",
 def reference_tune(path, *extra: str) -> int:
     from vllm_flydsl_indexer.tools import cli
 
-    argv = ["bench", "--tune", str(path), "--reference", "--device", "cpu", *SMALL_TUNE, "--warmup", "0"]
+    argv = ["tune", "--out", str(path), "--reference", "--device", "cpu", *SMALL_TUNE, "--warmup", "0"]
     return cli.main([*argv, *extra])
 
 
@@ -952,7 +953,7 @@ def reference_tune(path, *extra: str) -> int:
 @pytest.mark.parametrize("crlf", [False, True], ids=["lf", "crlf"])
 @pytest.mark.slow_except("lf-plain")
 def test_tune_merges_into_a_copy_of_the_builtin_table_keeping_its_comments(tmp_path, capsys, bom, crlf):
-    """The package's own table (``#`` provenance lines first) is a table bench --tune merges into,
+    """The package's own table (``#`` provenance lines first) is a table tune --out merges into,
     whatever a spreadsheet did to it (a byte-order mark, CRLF); it writes LF, comments kept in place."""
     builtin = open(tuning.BUILTIN_PATH, newline="").read()
     assert builtin.startswith("#") and "\r" not in builtin

@@ -477,7 +477,7 @@ def plot(results: list[ArmResult], meta: dict, path: str) -> None:
 
 
 def main(args) -> int:
-    """``bench`` without ``--tune`` (the CLI sends ``--tune`` to ``tune.main``)."""
+    """``bench`` without ``--tune`` (``tune --out``'s old spelling: the CLI sends it to ``tune.main``)."""
     with StopSignal("shape", per_call=True) as stop:
         results, meta = run(args, stop)
         # Every file first, then the report: a stdout that fails (closed, full, a reader gone) loses

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-flydsl-indexer``: doctor, check, bench and tune.
+"""``vllm-flydsl-indexer``: doctor, check, bench and tune (``bench --tune``: ``tune --out``'s old spelling).
 
 The parser is built without importing torch (``--help`` is instant); each
 command imports what it needs after its arguments have been validated.
@@ -55,11 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     cli_args.add_tune_arguments(
         sub.add_parser(
             "tune",
-            help="measure a model's buckets on this GPU now, into the node cache the plugin reads",
-            description="Measure, ahead of serving, every bucket a model's indexer will use (its heads, "
-            "next_n, KVBlockSize 64 and vLLM's CUDA-graph batch buckets) exactly as the plugin measures a "
-            "bucket at its first use, into this node's cache, which the plugin then reads. "
-            f"{settings.STOP_TUNE_MODEL}",
+            help="measure on this GPU: a model's buckets into the node cache (--model), or a table (--out)",
+            description="The one command that measures on this GPU. --model M: every bucket a model's "
+            "indexer will use, measured as the plugin measures a bucket at its first use, into this node's "
+            "cache, which the plugin reads by itself. --out FILE: Gluon against FlyDSL per shape of a grid, "
+            "into an aiter-format tuned CSV (`bench --tune FILE` is its old spelling). "
+            f"Outputs: {outputs.OUTPUT_RULE}. {settings.STOP_TUNE}",
         )
     )
     sub.metavar = "{" + ",".join(sub.choices) + "}"  # the usage line and its errors name every command
@@ -120,7 +121,7 @@ def _run(args: argparse.Namespace) -> int:
         from vllm_flydsl_indexer.tools import doctor
 
         return doctor.main(as_json=args.json, strict=args.strict, model=model)
-    if args.command == "tune":
+    if args.command == "tune" and not args.tune_path:
         problem = cli_args.tune_model_problem(args)  # before torch, aiter or vLLM is imported
         if problem is not None:
             settings.fail(f"{settings.PROG} tune", problem)

@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The arguments of ``check`` and ``bench``, and their validation.
+"""The arguments of ``check``, ``bench`` and ``tune``, and their validation.
 
 Building the parser imports no torch, so ``--help`` is instant. Every value
 is checked before any case runs: each argument's ``type`` rejects what it
@@ -24,7 +24,7 @@ import re
 from typing import TYPE_CHECKING, NoReturn
 
 from vllm_flydsl_indexer.tools import files, outputs, settings
-from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, HEADS, MODEL_SHAPES
+from vllm_flydsl_indexer.tools.models import BY_NAME, HEAD_DIM, MODEL_SHAPES
 from vllm_flydsl_indexer.tools.settings import (
     BENCH_ARMS,
     BENCH_CPU_GRID,
@@ -48,10 +48,10 @@ from vllm_flydsl_indexer.tools.settings import (
     PLOT_HINT,
     PROG,
     SEED_LIMIT,
-    TUNE_DRY_RUN,
+    TUNE_GPU_GRID,
     TUNE_MAX_MODEL_LEN,
     TUNE_MODEL_MAX_NEXT_N,
-    TUNE_NEEDS,
+    TUNE_REFERENCE_GRID,
     VLLM_CAPTURE_SIZES,
     fail,
     kv_pool_bytes,
@@ -64,6 +64,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OUTPUTS",
+    "OUT_ONLY",
+    "SWEEP_DEFAULTS",
     "OneLineParser",
     "Sized",
     "add_bench_arguments",
@@ -76,7 +78,7 @@ __all__ = [
     "device",
     "device_problem",
     "head_dim",
-    "non_negative_int",
+    "out_flag",
     "output_path",
     "output_problem",
     "places_problem",
@@ -120,13 +122,6 @@ def positive_int(text: str) -> int:
     value = _int(text)
     if value is None or value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    value = _int(text)
-    if value is None or value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
@@ -292,7 +287,7 @@ def add_check_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_arguments(p: argparse.ArgumentParser, reference: str, unit: str) -> None:
-    """--device, --reference and --seed, which check and bench share (``unit``: what seed+i seeds)."""
+    """--device, --reference and --seed, which check, bench and tune share (``unit``: what seed+i seeds)."""
     p.add_argument("--device", type=device, help="cpu, cuda, cuda:1 ... (default: cuda if present)")
     p.add_argument("--reference", action="store_true", help=reference)
     p.add_argument(
@@ -300,42 +295,67 @@ def _add_run_arguments(p: argparse.ArgumentParser, reference: str, unit: str) ->
     )
 
 
-def add_bench_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--heads", type=positive_int_list, help=f"comma list (default {_csv(HEADS)})")
-    p.add_argument(
-        "--head-dim", type=head_dim, default=HEAD_DIM, help=f"a multiple of 16 (default {HEAD_DIM})"
-    )
+# The sweep's defaults that tune's parser leaves unset (None: not given), so that tune --model refuses every
+# option of --out's it is given (OUT_ONLY); validate() sets them for tune --out.
+SWEEP_DEFAULTS = {"head_dim": HEAD_DIM, "warmup": 3, "seed": 0, "reference": False}
+OUT_ONLY = ("heads", "head_dim", "block_size", "batch", "context_len", "input_sets", "warmup", "repeats")
+OUT_ONLY += ("device", "reference", "seed", "json_path")
+
+
+def _sweep_arguments(p, tune: bool) -> None:
+    """The grid, timing, device and --json of bench, and of tune --out (with its grids' defaults). --next-n
+    is each command's own."""
+    gpu, other = (TUNE_GPU_GRID, TUNE_REFERENCE_GRID) if tune else (BENCH_GPU_GRID, BENCH_CPU_GRID)
+    labels = ("", " with --reference") if tune else (" on GPU", " on CPU")
+
+    def default(key: str) -> str:
+        if gpu[key] == other[key]:
+            return f"default {_csv(gpu[key])}"
+        return f"default {_csv(gpu[key])}{labels[0]}; {_csv(other[key])}{labels[1]}"
+
+    p.add_argument("--heads", type=positive_int_list, help=f"comma list ({default('heads')})")
+    dim = f"a multiple of 16 (default {HEAD_DIM})"
+    p.add_argument("--head-dim", type=head_dim, default=SWEEP_DEFAULTS["head_dim"], help=dim)
     p.add_argument(
         "--block-size",
         type=block_size_list,
-        help="comma list, each 1 or a multiple of 16; >1 means preshuffle "
-        f"(default {_csv(BENCH_GPU_GRID['block_size'])})",
+        help=f"comma list, each 1 or a multiple of 16; >1 means preshuffle ({default('block_size')})",
     )
+    p.add_argument("--batch", type=positive_int_list, help=f"comma list ({default('batch')})")
+    p.add_argument("--context-len", type=positive_int_list, help=f"comma list ({default('context_len')})")
+    p.add_argument(
+        "--input-sets",
+        type=bounded_int(1, MAX_INPUT_SETS, "each set is a whole input, all held at once"),
+        help="input sets rotated between iterations "
+        f"(default {_per_device(BENCH_TIMING['cuda'][1], BENCH_TIMING['cpu'][1])}; at most {MAX_INPUT_SETS})",
+    )
+    p.add_argument(
+        "--warmup",
+        type=bounded_int(0, MAX_WARMUP, "untimed calls per arm"),
+        default=SWEEP_DEFAULTS["warmup"],
+        help=f"untimed calls per arm before timing (default 3, at most {MAX_WARMUP})",
+    )
+    p.add_argument(
+        "--repeats",
+        type=bounded_int(1, MAX_REPEATS, "timed calls per arm"),
+        help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])}; "
+        f"at most {MAX_REPEATS})",
+    )
+    reference = "a dry run on the reference contracts, anywhere (rows marked gfx=reference)"
+    _add_run_arguments(p, reference if tune else "run the calls over the reference contracts", "shape")
+    what = "the tuned rows" if tune else "results"
+    p.add_argument("--json", dest="json_path", type=output_path, help=f"write {what} as JSON")
+
+
+def add_bench_arguments(p: argparse.ArgumentParser) -> None:
+    _sweep_arguments(p, tune=False)
     p.add_argument(
         "--next-n",
         type=positive_int_list,
         help=f"comma list, each <= --context-len (default {_csv(BENCH_GPU_GRID['next_n'])})",
     )
     p.add_argument(
-        "--batch",
-        type=positive_int_list,
-        help="comma list "
-        f"(default {_per_device(_csv(BENCH_GPU_GRID['batch']), _csv(BENCH_CPU_GRID['batch']))})",
-    )
-    p.add_argument(
-        "--context-len",
-        type=positive_int_list,
-        help="comma list (default "
-        f"{_per_device(_csv(BENCH_GPU_GRID['context_len']), _csv(BENCH_CPU_GRID['context_len']))})",
-    )
-    p.add_argument(
         "--vary-lengths", action="store_true", help="random lengths in [ctx/2, ctx] (default: exact)"
-    )
-    p.add_argument(
-        "--input-sets",
-        type=bounded_int(1, MAX_INPUT_SETS, "each set is a whole input, all held at once"),
-        help="input sets rotated between iterations "
-        f"(default {_per_device(BENCH_TIMING['cuda'][1], BENCH_TIMING['cpu'][1])}; at most {MAX_INPUT_SETS})",
     )
     p.add_argument(
         "--pool-blocks",
@@ -347,20 +367,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         type=arm_list,
         help=f"comma list to run a subset of the available arms ({', '.join(BENCH_ARMS)})",
     )
-    p.add_argument(
-        "--warmup",
-        type=bounded_int(0, MAX_WARMUP, "untimed calls per arm"),
-        default=3,
-        help=f"untimed calls per arm before timing (default 3, at most {MAX_WARMUP})",
-    )
-    p.add_argument(
-        "--repeats",
-        type=bounded_int(1, MAX_REPEATS, "timed calls per arm"),
-        help=f"timed iterations (default {_per_device(BENCH_TIMING['cuda'][0], BENCH_TIMING['cpu'][0])}; "
-        f"at most {MAX_REPEATS})",
-    )
-    _add_run_arguments(p, "run the calls over the reference contracts", "shape")
-    p.add_argument("--json", dest="json_path", type=output_path, help="write results as JSON")
     p.add_argument("--csv", dest="csv_path", type=output_path, help="write results as CSV")
     p.add_argument(
         "--plot",
@@ -373,41 +379,60 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         dest="tune_path",
         type=output_path,
         metavar="OUT.csv",
-        help="time Gluon vs FlyDSL per shape (gfx950) and merge the winners into an aiter-format tuned CSV "
-        "(new, empty, or one written before) that VLLM_FLYDSL_INDEXER_TUNED_CSV names; --json also writes "
-        f"the tuned rows. For this node's cache, which the plugin reads itself, run {PROG} tune --model M",
+        help=f"the old spelling of `{PROG} tune --out OUT.csv`, which it runs (saying so in one line); "
+        "takes the same options",
     )
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    """``tune --model M``: the buckets one model uses, measured as the plugin measures them."""
-    p.add_argument(
+    """``tune --model M`` (the node cache) or ``tune --out FILE`` (a table), and what each takes."""
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument(
         "--model",
-        required=True,
         metavar="M",
-        help="what doctor --model takes: a model directory, a Hugging Face model id in the local cache "
-        "(or deepseek-ai/DeepSeek-V3.2), or a model_type",
+        help="measure this model's buckets into the node cache: what doctor --model takes (a model "
+        "directory, a Hugging Face model id in the local cache, or deepseek-ai/DeepSeek-V3.2), or a "
+        "model_type",
+    )
+    which.add_argument(
+        "--out",
+        dest="tune_path",
+        type=output_path,
+        metavar="FILE",
+        help="sweep the grid below into an aiter-format tuned CSV (new, empty, or one written before; "
+        "the rows of the keys measured are replaced, the rest kept) that VLLM_FLYDSL_INDEXER_TUNED_CSV "
+        "names; needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels, or --reference",
     )
     p.add_argument(
         "--next-n",
         type=positive_int_list,
-        help="comma list of decode rows per sequence (default 1, and 1 + the model's MTP layers where its "
-        f"config.json has num_nextn_predict_layers; at most {TUNE_MODEL_MAX_NEXT_N})",
+        help="comma list of decode rows per sequence; with --model: 1, and 1 + the model's MTP layers where "
+        f"its config.json has num_nextn_predict_layers (at most {TUNE_MODEL_MAX_NEXT_N}); with --out: each "
+        f"<= --context-len (default {_csv(TUNE_GPU_GRID['next_n'])})",
     )
     p.add_argument(
         "--max-batch",
         type=positive_int,
         metavar="B",
-        help=f"measure batch buckets up to B only (default: every power of two vLLM's default CUDA-graph "
-        f"capture sizes reach, 1 to {max(VLLM_CAPTURE_SIZES)})",
+        help=f"with --model: measure batch buckets up to B only (default: every power of two vLLM's default "
+        f"CUDA-graph capture sizes reach, 1 to {max(VLLM_CAPTURE_SIZES)})",
     )
+    _sweep_arguments(p.add_argument_group("with --out FILE only"), tune=True)
+    p.set_defaults(**dict.fromkeys(SWEEP_DEFAULTS))
 
 
 def tune_model_problem(args: argparse.Namespace) -> str | None:
-    """What ``tune --model`` cannot take, before any work: a model it cannot resolve, one whose calls never
-    reach FlyDSL, a --next-n too large."""
+    """What ``tune --model`` cannot take, before any work: an option of ``--out``'s, a model it cannot
+    resolve, one whose calls never reach FlyDSL, a --next-n too large."""
     from vllm_flydsl_indexer.tools import reach
 
+    given = next((name for name in OUT_ONLY if getattr(args, name) is not None), None)
+    if given is not None:
+        flag = "--" + given.removesuffix("_path").replace("_", "-")
+        return (
+            f"argument {flag}: only with --out FILE (a swept table); --model measures the model's own "
+            "buckets as the plugin does (--next-n and --max-batch pick them)"
+        )
     try:
         model_type, _ = reach.resolve(args.model)
     except reach.ModelError as e:
@@ -572,34 +597,26 @@ def _bench_sizes_problem(args: argparse.Namespace) -> str | None:
     return f"argument {sized[key].flag}: must be at most {most} at {others}: {LIMITS}, got {value}"
 
 
+def out_flag(args: argparse.Namespace) -> str:
+    """The option that named the tuned table: ``tune --out``, or ``bench --tune`` (its old spelling)."""
+    return "--tune" if args.command == "bench" else "--out"
+
+
 def tune_problem(args: argparse.Namespace) -> str | None:
-    """What ``bench --tune`` cannot do, known without probing aiter: options it does not use, no device."""
+    """The options a tune (``tune --out``, ``bench --tune``) does not use. Whether this machine can give
+    kernel timings is :func:`tune.main`'s first question (``arms.detect_arms``, before any work)."""
     for attr, (flag, why) in NOT_WITH_TUNE.items():
         if getattr(args, attr, None):
-            return f"argument {flag}: not used with --tune ({why})"
-    if args.reference:
-        return None
-    if args.device == "cpu":
-        return f"argument --tune: {TUNE_NEEDS}, got --device cpu; {TUNE_DRY_RUN}"
-    import torch
-
-    if not torch.cuda.is_available():
-        return f"argument --tune: {TUNE_NEEDS}, and this machine has no GPU; {TUNE_DRY_RUN}"
-    if torch.version.hip is None:
-        return f"argument --tune: {TUNE_NEEDS}, and this GPU is not a ROCm one; {TUNE_DRY_RUN}"
-    index = int((args.device or "cuda").partition(":")[2] or 0)
-    if index < torch.cuda.device_count():
-        arch = torch.cuda.get_device_properties(index).gcnArchName
-        if "gfx950" not in arch:
-            return f"argument --tune: {TUNE_NEEDS}, and this GPU is {arch.split(':')[0]}; {TUNE_DRY_RUN}"
+            return f"argument {flag}: not used with {out_flag(args)} ({why})"
     return None
 
 
 def tune_file(
-    path: str,
+    path: str, flag: str = "--out"
 ) -> tuple[tuple[list[str], list[TunedRow], list[tuple[int, str]]] | None, str | None]:
-    """The table already in ``--tune path`` (``None`` for a new or empty file), and why it cannot be
-    merged into (it is not aiter's format or has a row ``tuned.check_row`` refuses), or ``None``.
+    """The table already in ``tune --out path`` (``None`` for a new or empty file), and why it cannot be
+    merged into (it is not aiter's format or has a row ``tuned.check_row`` refuses), or ``None``; the
+    reason names ``flag``, the option that named the file.
 
     Read as the plugin reads a table (``tuned.read_table``): ``#`` lines, a byte-order mark, CRLF."""
     from vllm_flydsl_indexer.tools import tuned
@@ -616,21 +633,22 @@ def tune_file(
         number, header = found
         missing = [c for c in tuned.COLUMNS if c not in header]
         if missing:
-            return None, _not_a_table(path, f"{path}: line {number}: missing column(s) {', '.join(missing)}")
+            why = f"{path}: line {number}: missing column(s) {', '.join(missing)}"
+            return None, _not_a_table(path, why, flag)
         table = tuned.read_table(io.StringIO(text, newline=""), path)
         if tuple(table[0]) != tuned.COLUMNS:
-            return None, _not_a_table(path, f"{path}: header {','.join(table[0])}")
+            return None, _not_a_table(path, f"{path}: header {','.join(table[0])}", flag)
         return table, None
     except tuned.TableError as e:
         return (
             None,
-            f"argument --tune: {e}; not merging into it (fix or remove that row, or give another file)",
+            f"argument {flag}: {e}; not merging into it (fix or remove that row, or give another file)",
         )
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
-        return None, f"argument --tune: {path}: line {line}: not UTF-8 ({e.reason}); not overwriting it"
+        return None, f"argument {flag}: {path}: line {line}: not UTF-8 ({e.reason}); not overwriting it"
     except (OSError, csv.Error, ValueError) as e:
-        return None, f"argument --tune: cannot read {path} ({e}); not overwriting it"
+        return None, f"argument {flag}: cannot read {path} ({e}); not overwriting it"
 
 
 def _header(text: str) -> tuple[int, list[str]] | None:
@@ -644,34 +662,35 @@ def _header(text: str) -> tuple[int, list[str]] | None:
     return None
 
 
-def _not_a_table(path: str, why: str) -> str:
+def _not_a_table(path: str, why: str, flag: str) -> str:
     from vllm_flydsl_indexer.tools import tuned
 
     return (
-        f"argument --tune: {path} is not an aiter-format tuned CSV ({why}; expected the header "
-        f"{','.join(tuned.COLUMNS)}); not overwriting it: give a new, empty or earlier --tune file"
+        f"argument {flag}: {path} is not an aiter-format tuned CSV ({why}; expected the header "
+        f"{','.join(tuned.COLUMNS)}); not overwriting it: give a new, empty or earlier {flag} file"
     )
 
 
-OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", "--tune"))
+OUTPUTS = (("json_path", "--json"), ("csv_path", "--csv"), ("plot_path", "--plot"), ("tune_path", None))
+
+
+def _outputs(args: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """``(attr, flag, path)`` of each output given; the tuned table's flag as the command spells it."""
+    return [(a, f or out_flag(args), getattr(args, a)) for a, f in OUTPUTS if getattr(args, a, None)]
 
 
 def places_problem(args: argparse.Namespace) -> str | None:
     """The first output whose place is refused (:func:`outputs.place_problem`), before anything reads it."""
-    for attr, flag in OUTPUTS:
-        path = getattr(args, attr, None)
-        if path:
-            problem = outputs.place_problem(path, merge_into_table=attr == "tune_path")
-            if problem is not None:
-                return f"argument {flag}: {problem}"
+    for attr, flag, path in _outputs(args):
+        problem = outputs.place_problem(path, merge_into_table=attr == "tune_path")
+        if problem is not None:
+            return f"argument {flag}: {problem}"
     return None
 
 
 def output_problem(args: argparse.Namespace) -> str | None:
     """Every output file, checked for writing now, before the run (:func:`outputs.outputs_problem`)."""
-    return outputs.outputs_problem(
-        (flag, getattr(args, attr)) for attr, flag in OUTPUTS if getattr(args, attr, None)
-    )
+    return outputs.outputs_problem((flag, path) for _, flag, path in _outputs(args))
 
 
 def plot_format_problem(path: str, formats: dict[str, str]) -> str | None:
@@ -684,17 +703,20 @@ def plot_format_problem(path: str, formats: dict[str, str]) -> str | None:
 
 
 def validate(args: argparse.Namespace) -> str | None:
-    """The first problem with parsed ``check``/``bench`` arguments that needs the machine, or ``None``."""
-    problem = device_problem(args.device) or (places_problem(args) if args.command == "bench" else None)
+    """The first problem with parsed ``check``/``bench``/``tune --out`` arguments that needs the machine, or
+    ``None``. tune's options left unset take bench's defaults here."""
+    for name, value in SWEEP_DEFAULTS.items() if args.command == "tune" else ():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    problem = device_problem(args.device) or (places_problem(args) if args.command != "check" else None)
     if problem is not None:
         return problem
     if args.command == "check":
         return _check_sizes_problem(args)
     tuning = bool(getattr(args, "tune_path", None))
     if tuning:
-        problem = tune_problem(args) or tune_file(args.tune_path)[1]
+        problem = tune_problem(args) or tune_file(args.tune_path, out_flag(args))[1]
     problem = problem or _bench_sizes_problem(args)
-    if problem is None and args.plot_path and not tuning:
+    if problem is None and getattr(args, "plot_path", None) and not tuning:
         try:
             canvas = importlib.import_module("matplotlib.backend_bases").FigureCanvasBase
         except ImportError:

@@ -2,7 +2,7 @@
 """Ctrl-C and SIGTERM for the long-running tools: keep what was measured, stop in bounded time.
 
 The first SIGINT, SIGTERM or SIGHUP (a closed terminal) asks for a stop. ``check`` finishes the case it is
-on (a few calls); ``bench`` and ``bench --tune`` stop at the next timed call
+on (a few calls); ``bench`` and ``tune --out`` stop at the next timed call
 (:meth:`StopSignal.check` raises :class:`Stopped` between calls, so the bound is
 one call, not a shape's repeats) and drop the shape under way. Then they write
 and print what finished and exit :data:`EXIT_INTERRUPTED`. A second one raises

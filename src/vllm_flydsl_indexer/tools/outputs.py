@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from typing import IO
@@ -34,7 +35,7 @@ OUTPUT_RULE = (
     "target (a new file if there is none yet) and stays a link; refused before any work: a device, FIFO or "
     "directory, this command's own stdout or stderr (redirect the report, not an output, there), two "
     "outputs that are one file, a path under /proc or /sys, a path ending in / that is no directory, a "
-    "file of the installed plugin, the table $VLLM_FLYDSL_INDEXER_TUNED_CSV names (but --tune merges "
+    "file of the installed plugin, the table $VLLM_FLYDSL_INDEXER_TUNED_CSV names (but tune --out merges "
     "into it), and any path where a regular file cannot be created"
 )
 # Kernel interfaces: nothing written there is a file (``/proc/version`` took a whole run, then failed).
@@ -62,7 +63,7 @@ def place_problem(
     Refused: a path under /proc or /sys; a path ending in ``/`` where no such directory exists
     (``--json out/`` would write a file named ``out``); a file of the installed plugin package (its
     built-in table); the table ``$VLLM_FLYDSL_INDEXER_TUNED_CSV`` names, unless ``merge_into_table``
-    (``bench --tune`` merging into it); a directory where no regular file can be created (a temporary
+    (``tune --out`` merging into it); a directory where no regular file can be created (a temporary
     file is created there and removed, as :func:`write_atomic` will).
     """
     env = os.environ if environ is None else environ
@@ -79,7 +80,7 @@ def place_problem(
     if table and not merge_into_table and os.path.realpath(table) == real:
         return (
             f"{path} is the tuned table {TUNED_CSV_VARIABLE} names (the plugin reads it); give another path"
-            " (bench --tune merges into it)"
+            " (tune --out merges into it)"
         )
     directory = os.path.dirname(real)
     if not os.path.isdir(directory):
@@ -213,9 +214,10 @@ def lock_path(path: str) -> str:
 
 
 @contextlib.contextmanager
-def locked(path: str) -> Iterator[None]:
-    """Hold an exclusive lock for a read-merge-replace of ``path``: every writer that merges into a
-    shared file (``bench --tune``'s table) reads it *after* taking this lock, so none loses another's rows.
+def locked(path: str, waiting: str | None = None) -> Iterator[None]:
+    """Hold an exclusive lock for a read-merge-replace of ``path``: the one lock of every file a tool merges
+    into (``tune --out``'s table, ``tune --model``'s node cache), whose writer reads it *after* taking this
+    lock, so none loses another's rows. ``waiting``: a line for stderr when another holder makes it wait.
 
     ``fcntl.flock`` on :func:`lock_path` (the file itself is replaced by a rename, so it cannot carry the
     lock); it blocks until the holder is done and is released when the block ends, or the process dies.
@@ -233,7 +235,12 @@ def locked(path: str) -> Iterator[None]:
         yield
         return
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if waiting:
+                print(waiting, file=sys.stderr, flush=True)
+            fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)  # releases the lock

@@ -19,7 +19,7 @@ __all__ = [
     "BENCH_ARMS",
     "STOP_BENCH",
     "STOP_CHECK",
-    "STOP_TUNE_MODEL",
+    "STOP_TUNE",
     "BENCH_CPU_GRID",
     "BENCH_GPU_GRID",
     "BENCH_TIMING",
@@ -37,6 +37,7 @@ __all__ = [
     "MAX_WARMUP",
     "PROG",
     "REAL_CHECK",
+    "TUNE_ALIAS",
     "TUNE_GPU_GRID",
     "TUNE_MODEL_BLOCK_SIZE",
     "TUNE_MODEL_CPU_MAX_MODEL_LEN",
@@ -84,7 +85,7 @@ CHECK_BOUNDS_BLOCK = 64  # the bounds cases' KVBlockSize
 CHECK_SPARE_BLOCKS = 2  # reference.make_paged_problem's spare blocks
 DEFAULT_TOPK = INDEX_TOPK  # vLLM's index_topk: the columns the top-k compares per row
 
-# bench's grids, and bench --tune's.
+# bench's grids, and tune --out's.
 BENCH_GPU_GRID = dict(
     heads=HEADS,
     block_size=(1, 64),
@@ -101,7 +102,7 @@ TUNE_GPU_GRID = dict(
     context_len=(8192, 32768),
 )
 TUNE_REFERENCE_GRID = dict(heads=HEADS, block_size=(64, 1), next_n=(1, 2), batch=(1, 4), context_len=(1024,))
-# The logits row width every bench --tune candidate is launched with (aiter's tuner's
+# The logits row width every tune --out candidate is launched with (aiter's tuner's
 # DEFAULT_MAX_MODEL_LEN): the FlyDSL SplitKV rule caps SplitKV at the pages of max_model_len.
 TUNE_MAX_MODEL_LEN = 131072
 # tune --model: vLLM's default CUDA-graph capture sizes, in tokens per decode step (vLLM 0.33.0
@@ -124,15 +125,19 @@ MAX_INPUT_SETS = 64
 MAX_REPEATS = 100_000
 MAX_WARMUP = 10_000
 
-# bench options that --tune does not use: refused together with it, never silently ignored.
+# bench's options that a tune (tune --out, bench --tune) does not use, and tune --model's: refused together
+# with it, never silently ignored.
 NOT_WITH_TUNE = {
-    "csv_path": ("--csv", "--tune writes its table to OUT.csv; --json writes the tuned rows as JSON"),
-    "plot_path": ("--plot", "--tune draws no plot"),
-    "arms": ("--arms", "--tune times Gluon and FlyDSL"),
-    "vary_lengths": ("--vary-lengths", "--tune times exact lengths, as aiter's table keys them"),
-    "pool_blocks": ("--pool-blocks", "--tune times an honest footprint"),
+    "csv_path": ("--csv", "the tuned table is the CSV; --json writes the tuned rows as JSON"),
+    "plot_path": ("--plot", "a tune draws no plot"),
+    "arms": ("--arms", "a tune times Gluon and FlyDSL"),
+    "vary_lengths": ("--vary-lengths", "a tune times exact lengths, as aiter's table keys them"),
+    "pool_blocks": ("--pool-blocks", "a tune times an honest footprint"),
+    "max_batch": ("--max-batch", "it bounds the node cache's buckets (--model); a table's are --batch"),
 }
 TUNE_NEEDS = "needs a gfx950 GPU with aiter's Gluon and FlyDSL kernels"
+# What bench --tune, tune --out's old spelling, says before it runs the same sweep through the same code.
+TUNE_ALIAS = f"the tuning command is `{PROG} tune --out FILE` now; this old spelling runs it"
 TUNE_DRY_RUN = "add --reference for a dry run on the reference contracts (rows marked gfx=reference)"
 
 
@@ -145,7 +150,7 @@ def fail(prog: str, message: str) -> NoReturn:
 
 
 def grid(args: Any, kind: str) -> dict[str, tuple[int, ...]]:
-    """The values bench (or bench --tune) runs on a ``kind`` device: each option given, else its default."""
+    """The values bench (or tune --out) runs on a ``kind`` device: each option given, else its default."""
     if getattr(args, "tune_path", None):
         defaults = TUNE_REFERENCE_GRID if args.reference else TUNE_GPU_GRID
     else:
@@ -170,7 +175,7 @@ def shape_fits(
 ) -> str | None:
     """Why a shape cannot run (its KV pool or logits buffer at 2 GiB or more), or ``None``.
 
-    ``row_width``: the logits' ``max_model_len`` when wider than ``context_len`` (``bench --tune``).
+    ``row_width``: the logits' ``max_model_len`` when wider than ``context_len`` (``tune --out``).
     ``pool=False``: the pool is sized otherwise (bench's ``--pool-blocks``), only the logits count.
     """
     if pool and kv_pool_bytes(batch, context_len, block_size, head_dim) >= I32_LIMIT:
@@ -189,7 +194,8 @@ STOP_BENCH = (
     "A SIGINT, SIGTERM or SIGHUP stops at the next timed call (within one call, whatever --repeats), "
     "drops the shape under way and writes what finished; a second stops at once; exit 130 either way."
 )
-STOP_TUNE_MODEL = (
-    "A SIGINT, SIGTERM or SIGHUP stops after the bucket under way (each is written to the cache as it "
-    "finishes) and prints the buckets that finished; a second stops at once; exit 130 either way."
+STOP_TUNE = (
+    "A SIGINT, SIGTERM or SIGHUP stops --model after the bucket under way (each is written to the cache as "
+    "it finishes) and prints the buckets that finished, and --out as bench (at the next timed call, merging "
+    "what finished); a second stops at once; exit 130 either way."
 )

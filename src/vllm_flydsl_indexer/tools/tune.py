@@ -1,4 +1,5 @@
-"""``vllm-flydsl-indexer bench --tune OUT.csv``: measure Gluon against FlyDSL per shape.
+"""``vllm-flydsl-indexer tune --out OUT.csv`` (old spelling ``bench --tune OUT.csv``): Gluon against FlyDSL
+per shape, into a table.
 
 For the models' indexer shapes (both head counts, KVBlockSize 64 with
 preshuffle and 1 without, ``next_n`` 1 and 2) over batch sizes, both kernels run
@@ -26,9 +27,9 @@ side by side in one process on the same inputs, as aiter's own tuner
 Rows are merged into an existing file, which must pass :func:`tuned.check_row`
 on every row (a malformed file is refused before any work and left untouched):
 a row of the same GPU and lookup key (:data:`tuned.KEY_COLUMNS`) is replaced,
-every other row is kept as it was. The merge holds an exclusive lock on the table
-(:func:`outputs.locked`) and reads the table again under it, so tunes run at once into one table keep
-every row. The file is written atomically. A SIGINT or
+every other row is kept as it was. The merge holds the table's exclusive lock
+(:func:`outputs.locked`, the one ``tune --model`` holds on the node cache) and reads the table again under
+it, so tunes run at once into one table keep every row. The file is written atomically. A SIGINT or
 SIGTERM stops at the next timed call, dropping the shape being measured: the
 finished rows are merged and written, the JSON says ``interrupted``, and the
 exit status is 130.
@@ -68,11 +69,9 @@ __all__ = [
     "REFERENCE_GFX",
     "Sweep",
     "candidates",
-    "existing_rows",
     "flydsl_launch",
     "main",
     "merge",
-    "refusal",
     "table_text",
     "tuned_wg_per_cu",
     "tune_rows",
@@ -89,13 +88,6 @@ class Sweep:
     planned: int = 0
     done: int = 0
     interrupted: bool = False
-
-
-def refusal(arms: Arms) -> str | None:
-    """Why this machine cannot produce kernel timings, or ``None``."""
-    if arms.real:
-        return None
-    return f"argument --tune: {settings.TUNE_NEEDS} ({arms.why}); {settings.TUNE_DRY_RUN}"
 
 
 def tuned_variant(arms: Arms) -> KernelVariant:
@@ -194,6 +186,8 @@ def tune_rows(
             continue
         times: dict[str, list[float]] = {}
         knobs: dict[str, tuple[str, int]] = {}
+        shape = dict(next_n=next_n, heads=heads, head_dim=args.head_dim, block_size=kvb, preshuffle=kvb > 1)
+        shape |= dict(spare_blocks=0, device=device)  # the timed inputs hold the blocks they read, no more
         for c, ctx in enumerate(contexts):
             gen = torch.Generator().manual_seed(args.seed + idx * len(contexts) + c)
             width = max(settings.TUNE_MAX_MODEL_LEN, ctx)
@@ -203,18 +197,7 @@ def tune_rows(
                     sweep.interrupted = True
                     return rows
                 problems.append(
-                    make_paged_problem(
-                        [ctx] * batch,
-                        next_n=next_n,
-                        heads=heads,
-                        head_dim=args.head_dim,
-                        block_size=kvb,
-                        preshuffle=kvb > 1,
-                        max_model_len=width,
-                        spare_blocks=0,
-                        generator=gen,
-                        device=device,
-                    )
+                    make_paged_problem([ctx] * batch, max_model_len=width, generator=gen, **shape)
                 )
             workspace = Workspace(batch * next_n, width, device)
             p0 = problems[0]
@@ -251,33 +234,13 @@ def tune_rows(
                 "stock only",
                 file=sys.stderr,
             )
-        chunk_k, wave_per_eu = (
-            (GLUON_KNOBS["ChunkK"], GLUON_KNOBS["WavePerEU"]) if backend == "gluon" else (0, 0)
-        )
-        row = dict(
-            zip(
-                tuned.COLUMNS,
-                (
-                    gfx,
-                    cus,
-                    batch,
-                    next_n,
-                    heads,
-                    args.head_dim,
-                    kvb,
-                    int(kvb > 1),
-                    tuned.CONTEXT_LEN_SEPARATOR.join(str(c) for c in sorted(contexts)),
-                    backend,
-                    chunk_k,
-                    wave_per_eu,
-                    wg,
-                    round(scores[winner], 3),
-                    round(scores[best["gluon"]], 3),
-                    round(scores[best["flydsl"]], 3) if "flydsl" in best else "",
-                ),
-                strict=True,
-            )
-        )
+        # aiter's columns (tuned.COLUMNS): the key, the contexts, the winner and its knobs, the times.
+        key = (gfx, cus, batch, next_n, heads, args.head_dim, kvb, int(kvb > 1))
+        knob = (GLUON_KNOBS["ChunkK"], GLUON_KNOBS["WavePerEU"], 0) if backend == "gluon" else (0, 0, wg)
+        times_us = [round(scores[best[b]], 3) if b in best else "" for b in ("gluon", "flydsl")]
+        context_len = tuned.CONTEXT_LEN_SEPARATOR.join(str(c) for c in sorted(contexts))
+        values = (*key, context_len, backend, *knob, round(scores[winner], 3), *times_us)
+        row = dict(zip(tuned.COLUMNS, values, strict=True))
         rows.append(row)
         sweep.done += 1
         measured = ", ".join(f"{name} {scores[name]:.1f} us" for name in scores)
@@ -294,35 +257,19 @@ def tuned_wg_per_cu(variant: KernelVariant) -> tuple[int, ...]:
     return TUNER_WG_PER_CU if variant.split_kv_workgroups_per_cu is not None else (0,)
 
 
-def existing_rows(path: str) -> tuple[list[str], list[tuned.TunedRow], list[tuple[int, str]]] | None:
-    """The table already in ``path`` (``None`` if absent or empty), every row validated.
-
-    Refuses (exit 2, one line) a file that is not aiter's format or has any
-    malformed row, as the parser did before the run (:func:`cli_args.tune_file`).
-    """
-    table, problem = cli_args.tune_file(path)
-    if problem is not None:
-        settings.fail(f"{settings.PROG} bench", problem)
-    return table
-
-
 def _row_id(row: dict[str, object]) -> tuple:
     """A measured row's lookup identity, validated: what this tool writes, the plugin reads back."""
     checked = tuned.check_row({k: str(v) for k, v in row.items()})
     return (checked.gfx, checked.key)
 
 
-def table_text(
-    earlier: tuple[list[str], list[tuned.TunedRow], list[tuple[int, str]]] | list[tuned.TunedRow] | None,
-    rows: list[dict[str, object]],
-) -> tuple[str, int]:
-    """The merged table: ``rows`` replace earlier rows of the same gfx and key; the rest, and every
-    ``#`` line, are kept as read and in place; new rows at the end. LF line endings, as aiter's table."""
+def table_text(earlier: tuple | None, rows: list[dict[str, object]]) -> tuple[str, int]:
+    """The merged table: ``rows`` replace the rows of ``earlier`` (:func:`cli_args.tune_file`'s table, or
+    ``None``) of the same gfx and key; the rest, and every ``#`` line, are kept as read and in place; new rows
+    at the end. LF line endings, as aiter's table."""
     import csv
 
-    if not isinstance(earlier, tuple):  # rows alone: no header or comments read
-        earlier = (list(tuned.COLUMNS), list(earlier or ()), [])
-    _, earlier_rows, earlier_comments = earlier
+    _, earlier_rows, earlier_comments = earlier or ((), [], [])
     rows = list({_row_id(r): r for r in rows}.values())  # one row per key: the last measured
     new_ids = {_row_id(r) for r in rows}
     out = io.StringIO()
@@ -343,38 +290,41 @@ def table_text(
     return out.getvalue(), kept
 
 
-def merge(path: str, rows: list[dict[str, object]]) -> tuple[int | None, str]:
+def merge(path: str, rows: list[dict[str, object]], label: str = "tune --out") -> tuple[int | None, str]:
     """Merge ``rows`` into the table at ``path`` under its exclusive lock (:func:`outputs.locked`),
     reading the table again once the lock is held, so a tune that wrote it meanwhile keeps its rows.
 
     ``(kept, "kept N earlier rows")``, or ``(None, why)`` when the table cannot be merged into any more
     (it changed into something else during the run) or written; then the merged rows are printed to
-    stdout, so that what was measured is never lost.
+    stdout, so that what was measured is never lost. ``label`` is the command as typed.
     """
     with outputs.locked(path):
-        earlier, problem = cli_args.tune_file(path)
+        earlier, problem = cli_args.tune_file(path, label.rpartition(" ")[2])
         if problem is None:
             text, kept = table_text(earlier, rows)
-            ok, line = write_or_print("bench --tune", "tuned table", path, text, newline="")
+            ok, line = write_or_print(label, "tuned table", path, text, newline="")
             return (kept, f"kept {kept} earlier rows") if ok else (None, line)
     text, _ = table_text(None, rows)
     print(safe_line(f"--- the tuned rows that could not be merged into {path} ---"))
     print(f"{text.rstrip()}\n--- end ---")
-    return (
-        None,
-        safe_line(
-            f"bench --tune: {problem.removeprefix('argument --tune: ')}; the measured rows are printed above"
-        ),
-    )
+    why = problem.partition(": ")[2]
+    return None, safe_line(f"{label}: {why}; the measured rows are printed above")
 
 
 def main(args) -> int:
+    flag = cli_args.out_flag(args)
+    label = f"{args.command} {flag}"  # as typed: tune --out, or bench --tune (its old spelling)
     device = device_of(args)
     arms = detect_arms(device, force_reference=args.reference)
-    problem = refusal(arms) if not args.reference else None
+    # Before any work: no kernel timings here, or a table that cannot be merged into (the parser checked
+    # both without probing aiter; the file may have changed since).
+    earlier, problem = cli_args.tune_file(args.tune_path, flag)
+    if not (arms.real or args.reference):
+        problem = f"argument {flag}: {settings.TUNE_NEEDS} ({arms.why}); {settings.TUNE_DRY_RUN}"
     if problem is not None:
-        settings.fail(f"{settings.PROG} bench", problem)
-    earlier = existing_rows(args.tune_path)  # before any work: never time, then refuse to write
+        settings.fail(f"{settings.PROG} {args.command}", problem)
+    if args.command == "bench":
+        print(f"{settings.PROG} {label}: {settings.TUNE_ALIAS}", file=sys.stderr)
     if arms.real:
         gfx = tuned.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
     else:
@@ -387,14 +337,12 @@ def main(args) -> int:
     # nothing (tools/streams.py).
     report, failed = [], []
     if not rows and sweep.interrupted:
-        report.append(safe_line(f"bench --tune: no shape finished; {args.tune_path} left as it was"))
+        report.append(safe_line(f"{label}: no shape finished; {args.tune_path} left as it was"))
         kept = len(earlier[1]) if earlier else 0
     else:
-        kept, line = merge(args.tune_path, rows)
+        kept, line = merge(args.tune_path, rows, label)
         if kept is not None:
-            report.append(
-                safe_line(f"bench --tune: wrote {len(rows)} rows ({what}) to {args.tune_path}, {line}")
-            )
+            report.append(safe_line(f"{label}: wrote {len(rows)} rows ({what}) to {args.tune_path}, {line}"))
         else:
             failed.append(line)
     if args.json_path:
@@ -418,7 +366,7 @@ def main(args) -> int:
             },
             "rows": rows,
         }
-        ok, line = write_or_print("bench --tune", "JSON", args.json_path, json.dumps(data, indent=1))
+        ok, line = write_or_print(label, "JSON", args.json_path, json.dumps(data, indent=1))
         (report if ok else failed).append(line)
     for line in report:
         print(line)

@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm-flydsl-indexer tune --model M``: this node's measurement, made ahead of serving (issue 44).
+"""``vllm-flydsl-indexer tune --model M``: this node's measurement, made ahead of serving (issue 44);
+``tune --out FILE`` is :mod:`.tune`'s table.
 
 The plugin times a bucket no table covers at its first eager call (:func:`measure.local`) and caches the
 verdict on the node (:func:`measure.cache_path`). This command makes the same measurement now, for every
@@ -27,6 +28,9 @@ bucket the model will use, so serving starts with every verdict cached:
   after the run every row measured now is read back from the file, and the rows missing there are written
   once more through :func:`measure.write_cache`, whose reason names why a row is still missing. Such a
   bucket reads ``NOT cached``, the last line says why, and the exit status is 1.
+* **One writer, one lock:** every row goes through the plugin's own writer (:func:`measure.write_cache`),
+  and the run holds the cache's lock (:func:`outputs.locked`, the one ``tune --out`` merges a table under),
+  so a second tune waits, saying so, then finds the first's buckets cached instead of timing a busy GPU.
 
 Without aiter's FlyDSL kernel, a gfx950 device or aiter's Gluon kernel nothing can be measured; with a cache
 that cannot be written, nothing would be kept: one line, exit 1. A bucket too large for the measurement's
@@ -50,7 +54,7 @@ import torch
 from vllm_flydsl_indexer import envs, measure, tuning
 from vllm_flydsl_indexer.kernels import cu_count, find_kernel
 from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES, multi_row_objection
-from vllm_flydsl_indexer.tools import reach, settings
+from vllm_flydsl_indexer.tools import outputs, reach, settings
 from vllm_flydsl_indexer.tools.arms import kernel_arms
 from vllm_flydsl_indexer.tools.doctor import cache_dir, cache_dir_problem
 from vllm_flydsl_indexer.tools.harness import with_once
@@ -216,7 +220,7 @@ def size_problem(plan: list[tuple[int, int]], heads: int, head_dim: int, max_mod
 def _unwritten(cache: Path, stack: str, gfx: str, cus: int, router, buckets: list[Bucket]) -> str | None:
     """Each bucket measured now whose row is not in the cache file is marked :data:`NOT_CACHED`; why, or
     ``None`` when every one is there. The missing rows are written once more through the plugin's writer
-    (a concurrent run may have merged them away), whose answer is the reason."""
+    (a serving process, which takes no lock, may have merged them away), whose answer is the reason."""
     measured = [b for b in buckets if b.source == MEASURED]
     rows = router.node[2] if router.node else {}
 
@@ -309,6 +313,7 @@ def main(args: argparse.Namespace) -> int:
     timing = "device events" if gpu else "the wall clock: a simulation, no GPU"
     units = f"{cus} CU{'s' * (cus != 1)}"
     entry = f"; beside it {variant.entry.location}" if variant.entry else ""
+    note = f"note:    {envs.TUNED_CSV} is off: serving takes FlyDSL where eligible and ignores this cache"
     for line in (
         f"model:   {model.label} ({model_type}): heads={heads} head_dim={head_dim} ({shape_source})",
         f"next_n:  {', '.join(map(str, next_ns))} ({next_source}); KVBlockSize {block}, preshuffled",
@@ -316,15 +321,17 @@ def main(args: argparse.Namespace) -> int:
         f"kernel:  {variant.location} ({variant.name}){entry}",
         f"stock:   {paths.label}",
         f"tables:  {table_label}",
-        *(
-            [f"note:    {envs.TUNED_CSV} is off: serving takes FlyDSL where eligible and ignores this cache"]
-            * off
-        ),
+        *[note] * off,
     ):
         print(safe_line(line))
     buckets: list[Bucket] = []
     contexts = measure.contexts_of(max_model_len)
-    with StopSignal("bucket") as stop, Progress(len(plan), "tune") as progress, paths.session():
+    with (
+        outputs.locked(str(cache), safe_line(f"{TOOL}: waiting for another tune that is filling {cache}")),
+        StopSignal("bucket") as stop,
+        Progress(len(plan), "tune") as progress,
+        paths.session(),
+    ):
         pool = _pool(device, max(b for _, b in plan), max_model_len, head_dim + SCALE_BYTES)
         # The node cache as the router will read it: a bucket it covers is cached, not measured.
         node = measure.load_cache(cache, stack, gfx, cus)[0]
@@ -374,7 +381,7 @@ def main(args: argparse.Namespace) -> int:
                 row.winner, row.source = "stock", f"{row.source}: {why}"
                 continue
             row.speedup = us[1] / us[0] if us and us[0] > 0 and math.isfinite(us[1] / us[0]) else None
-    unwritten = _unwritten(cache, stack, gfx, cus, router, buckets)
+        unwritten = _unwritten(cache, stack, gfx, cus, router, buckets)
     print()
     for line in render(buckets):
         print(safe_line(line))

@@ -2,7 +2,7 @@
 """The tuned CSV's validator: every cell of every row, with file, line and column in each reason.
 
 The plugin reads a table leniently (``tuning.usable_row``: rows it cannot use are skipped, with one
-WARNING); doctor and ``bench --tune`` hold a file to this stricter rule and say why each row fails, so a
+WARNING); doctor and ``tune --out`` hold a file to this stricter rule and say why each row fails, so a
 user learns what the plugin skipped. One validator (:func:`check_row`) for every row whatever its gfx.
 """
 
@@ -115,7 +115,7 @@ def _backend(text: str) -> str:
 def check_row(row: dict[str, str | None]) -> TunedRow:
     """Validate every column of one CSV row; raises ``ValueError("column ...: why")``.
 
-    The one rule of what a row is, for the plugin, doctor and ``bench --tune`` alike: a row that no
+    The one rule of what a row is, for the plugin, doctor and ``tune --out`` alike: a row that no
     call can match (``preshuffle`` other than ``kv_block_size > 1``) is refused, not kept unreachable.
     """
 
@@ -166,7 +166,7 @@ def read_table(
     places (rows before each; -1: before the header). Raises :class:`TableError` at the first bad row,
     or, with ``errors``, appends each bad row's reason there and goes on (doctor's list).
 
-    One reader for the plugin, doctor and ``bench --tune``: a UTF-8 byte-order mark is dropped, and an
+    One reader for the plugin, doctor and ``tune --out``: a UTF-8 byte-order mark is dropped, and an
     error names the line its record starts on (a quoted field may run over several).
     """
     comments: list[tuple[int, str]] = []
