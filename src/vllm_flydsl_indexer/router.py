@@ -200,8 +200,12 @@ class FlyDSLRouter:
         try:
             key = (kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), compress_ratio)
             level = self.caches.get(key)
-            if level is None:
-                level = self._cache_level(key, kv_cache_fp8, compress_ratio)
+            if level is None:  # a new cache key: rules 1-2's reason (logged once), else a new number
+                level = cache_objection(self, kv_cache_fp8, compress_ratio) or next(self.cache_numbers)
+                if level.__class__ is str:
+                    self.logger.info_once("%s %s", STOCK_CALL_LINE, level, scope="process")
+                if len(self.caches) < MAX_MEMOISED_VERDICTS:
+                    self.caches[key] = level
             if level.__class__ is int:  # rules 1-2 pass: the call's own key
                 key = (level, q_fp8.shape, context_lens.shape, max_model_len, caller)
                 route = self.routes.get(key)
@@ -226,18 +230,6 @@ class FlyDSLRouter:
             q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata, max_model_len,
             compress_ratio=compress_ratio,
         )  # fmt: skip
-
-    def _cache_level(self, cache: tuple, kv, compress_ratio: int) -> str | int:
-        """The first memo level's entry for a new ``cache`` key: rules 1-2's reason (logged once), else a new
-        number for its calls' routes. Kept while the memo has room; never raises past the net."""
-        level = cache_objection(self, kv, compress_ratio)
-        if level is not None:
-            self.logger.info_once("%s %s", STOCK_CALL_LINE, level, scope="process")
-        else:
-            level = next(self.cache_numbers)
-        if len(self.caches) < MAX_MEMOISED_VERDICTS:
-            self.caches[cache] = level
-        return level
 
     def decide(self, args: tuple, compress_ratio: int) -> tuple | str | None:
         """The verdict on this call's signature, ``(backend, bucket, wg_per_cu, conflict, source)`` or why
@@ -423,10 +415,8 @@ class FlyDSLRouter:
             )
         except ARGUMENT_ERRORS as e:
             # The wrapper's argument check refused this call: only its signature's route stays stock.
-            route.reason, route.ready = (
-                f"FlyDSL rejected this call's arguments ({type(e).__name__}: {e})",
-                False,
-            )
+            route.ready = False
+            route.reason = f"FlyDSL rejected this call's arguments ({type(e).__name__}: {e})"
             line = (
                 f"{self.variant.location} ({describe(route.shape)}) rejected a call's arguments: "
                 f"{type(e).__name__}: {e} ({_versions()}). Calls of this signature use the stock path "
@@ -458,14 +448,11 @@ class FlyDSLRouter:
         try:
             shape = shape_of(q, kv)
         except Exception:  # noqa: BLE001 - arguments without shapes: no shape to keep stock
-            self.logger.error_once(
-                "%s the router %s. It uses the stock path.", HEAD, problem, scope="process"
-            )
-            reason = f"the router {problem}"
-        else:
-            if shape not in self.failed:  # the facts or a hook may raise at every call: one ERROR
-                self._shape_failed(shape, problem)
-            reason = self.failed[shape]
+            shape, line = None, f"the router {problem}. It uses the stock path."
+            self.logger.error_once("%s %s", HEAD, line, scope="process")
+        if shape is not None and shape not in self.failed:  # the facts or a hook may raise at every call
+            self._shape_failed(shape, problem)  # one ERROR
+        reason = self.failed.get(shape, f"the router {problem}")
         memo = self.caches if key is not None and len(key) == 3 else self.routes
         if key is not None and len(memo) < MAX_MEMOISED_VERDICTS:
             memo[key] = reason if memo is self.caches else Route(reason)
