@@ -45,9 +45,8 @@ def main() -> int:
         device=device,
     )
     q, kv, w, lens, bt, sched, mml = problem.call_args()
-    # The router's two memo levels (FlyDSLRouter.call_from) and its facts, as it builds them.
-    caches = {(kv.shape, kv.is_contiguous(), 1): 0}
-    key = (0, q.shape, lens.shape, mml, TARGET_MODULE)
+    # The router's memo key (FlyDSLRouter.call_from) and its facts, as it builds them.
+    key = (q.shape, kv.shape, kv.is_contiguous(), lens.shape, mml, 1, TARGET_MODULE)
     routes = {key: object()}
 
     def facts_of() -> tuple:
@@ -68,13 +67,11 @@ def main() -> int:
     rows = [
         ("q.shape", lambda: q.shape),
         ("kv.is_contiguous()", lambda: kv.is_contiguous()),
-        ("memo level 1 (the cache's shape, contiguity, ratio) built and looked up", lambda: caches.get(
-            (kv.shape, kv.is_contiguous(), 1))),
-        ("memo level 2 (q's and the bounds' shapes, 2 scalars) built", lambda: (
-            0, q.shape, lens.shape, mml, TARGET_MODULE)),
-        ("hash(level 2 key)", lambda: hash(key)),
-        ("memo level 2 built and looked up", lambda: routes.get(
-            (0, q.shape, lens.shape, mml, TARGET_MODULE))),
+        ("memo key: 3 shapes + contiguity + 3 scalars, as a tuple", lambda: (
+            q.shape, kv.shape, kv.is_contiguous(), lens.shape, mml, 1, TARGET_MODULE)),
+        ("hash(key)", lambda: hash(key)),
+        ("memo key built and looked up", lambda: routes.get(
+            (q.shape, kv.shape, kv.is_contiguous(), lens.shape, mml, 1, TARGET_MODULE))),
         ("the facts (10 reads, as a tuple; a FlyDSL verdict only)", facts_of),
         ("facts == route.facts", lambda: facts == facts),
         ("q.device", lambda: q.device),

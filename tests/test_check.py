@@ -127,13 +127,13 @@ MUTATIONS = {
         "heads=24 (no kernel takes it)",
     ),
     "memo key without compress_ratio": (
-        "key = (kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), compress_ratio)",
-        "key = (kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), 1)",
+        "max_model_len, compress_ratio, caller,",
+        "max_model_len, caller,",
         "DSV4.1 ratio 2 next_n=2 (same shapes)",
     ),
     "memo key without the caller": (
-        "key = (level, q_fp8.shape, context_lens.shape, max_model_len, caller)",
-        "key = (level, q_fp8.shape, context_lens.shape, max_model_len)",
+        "max_model_len, compress_ratio, caller,",
+        "max_model_len, compress_ratio,",
         "GLM-5-next kpool next_n=2 (DSV4.1's shapes)",
     ),
     # Trusting the kpool caller takes both of its audits away (issue 49: MULTI_ROW names its bounds, and
@@ -213,14 +213,9 @@ MUTATIONS = {
         "if False:",
         "Preshuffle differs from stock's",
     ),
-    "memo's second level shared by every cache": (
-        "level = next(self.cache_numbers)",
-        "level = 0",
-        "DSV4.1 ratio 2 next_n=2 (same shapes)",
-    ),
     "memo key without the cache's contiguity": (
-        "key = (kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), compress_ratio)",
-        "key = (kv_cache_fp8.shape, True, compress_ratio)",
+        "kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), context_lens.shape,",
+        "kv_cache_fp8.shape, context_lens.shape,",
         "memo: strided cache after contiguous, same shapes",
     ),
     "tuned SplitKV knob ignored by the router": (

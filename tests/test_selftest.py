@@ -465,7 +465,7 @@ def test_the_self_test_puts_back_vllms_workspace(make_router, target, workspace)
     assert torch.equal(view[outside], before[outside])
 
 
-@pytest.mark.parametrize("plant", ["rule", "cache rules", "hook", "problem builder", "output buffer"])
+@pytest.mark.parametrize("plant", ["rule", "pick", "hook", "problem builder", "output buffer"])
 def test_nothing_the_router_does_reaches_the_caller(make_router, target, plugin_log, monkeypatch, plant):
     """One net around the whole call: whatever the router's own work raises, the caller gets stock's
     answer, one ERROR, and the shape stays stock."""
@@ -477,8 +477,8 @@ def test_nothing_the_router_does_reaches_the_caller(make_router, target, plugin_
     router = make_router(kernel)
     if plant == "rule":
         monkeypatch.setattr(router_module, "objection", boom)
-    elif plant == "cache rules":
-        monkeypatch.setattr(router_module, "cache_objection", boom)
+    elif plant == "pick":
+        monkeypatch.setattr(router_module, "pick_objection", boom)
     elif plant == "hook":
         router.hooks = dataclasses.replace(router.hooks, preshuffle=boom)
     elif plant == "problem builder":

@@ -6,9 +6,9 @@ API, or handed to the original unchanged. It reads shapes, dtypes, strides, Pyth
 calling module, never a tensor value: no host sync, the same inside graph capture.
 
 * **The rules** (:func:`objection`), in order, the first reason logged once; the last asks the table, else
-  this node's measurement (:mod:`~vllm_flydsl_indexer.measure`). Verdicts are memoised on two levels (the
-  cache's rules, then the call's; :meth:`FlyDSLRouter.call_from` says what a warm call reads) and a FlyDSL
-  verdict is launched only while the call's facts are the same.
+  this node's measurement (:mod:`~vllm_flydsl_indexer.measure`). The verdict is memoised on the call's
+  key and a FlyDSL verdict is launched only while the call's facts are the same
+  (:meth:`FlyDSLRouter.call_from` says what a warm call reads).
 * **The guards**: no first-time compile, self-test or measurement inside capture; a shape proves itself
   (:mod:`~vllm_flydsl_indexer.selftest`) at its first call outside capture; a failed shape stays stock.
 * **One net**: everything the router does runs in one ``try``; any exception gives stock's answer, one
@@ -18,7 +18,6 @@ calling module, never a tensor value: no host sync, the same inside graph captur
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import math
 from collections.abc import Callable
@@ -51,10 +50,12 @@ ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
 STAYS_STOCK = "This call and every later call of this shape use the stock path until vLLM restarts"
 
 
-def cache_objection(router: FlyDSLRouter, kv, compress_ratio: int) -> str | None:
-    """Rules 1-2, the cache's own (its shape and contiguity, ``compress_ratio``): why no call with this cache
-    can reach FlyDSL, or ``None``. Their verdict is memoised on those three alone (the first memo level)."""
-    block_size = kv.shape[1]
+def objection(router: FlyDSLRouter, args: tuple, compress_ratio: int, caller: str | None) -> str | None:
+    """The rules in order: why this call stays stock, or ``None``; reasons name shapes, not batches. They
+    read the call's shapes and the plugin's start-up state (the DCP size too: vLLM sets up its parallel
+    groups before it loads the model), the same on every rank of a TP group."""
+    q, kv, w, lens, bt, _, _ = args
+    variant, block_size = router.variant, kv.shape[1]
     reason = router.hooks.gluon_objection(compress_ratio, block_size)
     if reason is not None:
         return f"stock does not use aiter's Gluon kernel here: {reason}"
@@ -63,15 +64,6 @@ def cache_objection(router: FlyDSLRouter, kv, compress_ratio: int) -> str | None
             f"kv_cache is strided (block stride {kv.stride(0)} bytes, not KVBlockSize*index_dim = "
             f"{block_size * kv.shape[-1]}), so this layer stays on the stock path. {BLOCK_OUTER_NOTE}"
         )
-    return None
-
-
-def objection(router: FlyDSLRouter, args: tuple, compress_ratio: int, caller: str | None) -> str | None:
-    """The rules after the cache's, in order: why this call stays stock, or ``None``; reasons name shapes,
-    not batches. They read the call's shapes and the plugin's start-up state (the DCP size: vLLM sets up
-    its parallel groups before it loads the model), the same on every rank of a TP group."""
-    q, kv, w, lens, bt, _, _ = args
-    variant, block_size = router.variant, kv.shape[1]
     reason = variant.violation(q, kv, w, lens, bt)
     if reason is not None:
         return reason
@@ -176,10 +168,6 @@ class FlyDSLRouter:
         self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
         self.compiled: set[tuple] = set()
-        # The memo, two levels: (the cache's shape, its contiguity, compress_ratio) -> rules 1-2's reason, or
-        # the number that keys its calls' routes (q's and the bounds' shapes, max_model_len, the caller).
-        self.caches: dict[tuple, str | int] = {}
-        self.cache_numbers = itertools.count()  # unique even past the memo's room
         self.routes: dict[tuple, Route] = {}
         self.calls_taken = self.calls_delegated = 0
 
@@ -192,37 +180,32 @@ class FlyDSLRouter:
     ) -> torch.Tensor:  # fmt: skip
         """Route one call made from module ``caller`` (``None``: unknown).
 
-        A warm call reads, beyond stock's own argument handling: for a cache that rules 1-2 keep stock (a
-        block-outer cache, C4A) the cache's contiguity and one lookup; for any other, q's and the bounds'
-        shapes and a second lookup; for a FlyDSL verdict, the call's facts too (the dtypes, the weights' and
-        block tables' shapes, q's and the weights' contiguity, q's device), compared with the verdict's."""
+        A warm call builds the memo key (q's, the cache's and the bounds' shapes, the cache's contiguity,
+        ``max_model_len``, ``compress_ratio``, the caller) and looks it up; a stock verdict reads nothing
+        more. A FlyDSL verdict reads the call's facts too (the dtypes, the weights' and block tables' shapes,
+        q's and the weights' contiguity, q's device) and is launched only while they are the ones it was
+        decided on. The DCP size is read when a key is decided, never on a warm call."""
         key = None
         try:
-            key = (kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), compress_ratio)
-            level = self.caches.get(key)
-            if level is None:  # a new cache key: rules 1-2's reason (logged once), else a new number
-                level = cache_objection(self, kv_cache_fp8, compress_ratio) or next(self.cache_numbers)
-                if level.__class__ is str:
-                    self.logger.info_once("%s %s", STOCK_CALL_LINE, level, scope="process")
-                if len(self.caches) < MAX_MEMOISED_VERDICTS:
-                    self.caches[key] = level
-            if level.__class__ is int:  # rules 1-2 pass: the call's own key
-                key = (level, q_fp8.shape, context_lens.shape, max_model_len, caller)
-                route = self.routes.get(key)
-                if route is None or route.reason is None:
-                    args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
-                            max_model_len)  # fmt: skip
-                    facts = (
-                        q_fp8.dtype, kv_cache_fp8.dtype, weights.dtype, weights.shape, context_lens.dtype,
-                        block_tables.dtype, block_tables.shape, q_fp8.is_contiguous(),
-                        weights.is_contiguous(), q_fp8.device,
-                    )  # fmt: skip
-                    if route is not None and route.ready and route.facts == facts:  # the warm FlyDSL path
-                        out = self._launch(route, args)
-                    else:
-                        out = self._flydsl_or_none(key, route, args, facts, compress_ratio, caller)
-                    if out is not None:
-                        return out
+            key = (
+                q_fp8.shape, kv_cache_fp8.shape, kv_cache_fp8.is_contiguous(), context_lens.shape,
+                max_model_len, compress_ratio, caller,
+            )  # fmt: skip
+            route = self.routes.get(key)
+            if route is None or route.reason is None:
+                args = (q_fp8, kv_cache_fp8, weights, context_lens, block_tables, schedule_metadata,
+                        max_model_len)  # fmt: skip
+                facts = (
+                    q_fp8.dtype, kv_cache_fp8.dtype, weights.dtype, weights.shape, context_lens.dtype,
+                    block_tables.dtype, block_tables.shape, q_fp8.is_contiguous(), weights.is_contiguous(),
+                    q_fp8.device,
+                )  # fmt: skip
+                if route is not None and route.ready and route.facts == facts:  # the warm FlyDSL path
+                    out = self._launch(route, args)
+                else:
+                    out = self._flydsl_or_none(key, route, args, facts, compress_ratio, caller)
+                if out is not None:
+                    return out
         except Exception as e:  # noqa: BLE001 - nothing the router does may reach vLLM
             self._router_failed(e, key, q_fp8, kv_cache_fp8)
         self.calls_delegated += 1
@@ -324,9 +307,7 @@ class FlyDSLRouter:
         """The rules' verdict on a new call signature, kept while the memo has room (not from capture)."""
         q, kv, w, lens, bt, _, max_model_len = args
         shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
-        # Rules 1-2 again (they passed in call_from; check and tests memoise directly), then the rest.
-        reason = cache_objection(self, kv, compress_ratio) or objection(self, args, compress_ratio, caller)
-        pick = None
+        reason, pick = objection(self, args, compress_ratio, caller), None
         if reason is None:  # every rank of a TP group gets here, failed shape or not
             pick = self.decide(args, compress_ratio)
             reason = pick_objection(self, pick, args)
@@ -442,8 +423,7 @@ class FlyDSLRouter:
         return out
 
     def _router_failed(self, error: Exception, key: tuple | None, q, kv) -> None:
-        """The router's work on a call raised: this call gets stock's answer, its shape stays stock (memoised
-        at the level it reached: ``key`` is the cache's 3-tuple or the call's 5-tuple, or ``None``)."""
+        """The router's work on a call raised: this call gets stock's answer, its shape stays stock."""
         problem = f"raised {type(error).__name__} while routing this call: {error}"
         try:
             shape = shape_of(q, kv)
@@ -452,10 +432,8 @@ class FlyDSLRouter:
             self.logger.error_once("%s %s", HEAD, line, scope="process")
         if shape is not None and shape not in self.failed:  # the facts or a hook may raise at every call
             self._shape_failed(shape, problem)  # one ERROR
-        reason = self.failed.get(shape, f"the router {problem}")
-        memo = self.caches if key is not None and len(key) == 3 else self.routes
-        if key is not None and len(memo) < MAX_MEMOISED_VERDICTS:
-            memo[key] = reason if memo is self.caches else Route(reason)
+        if key is not None and len(self.routes) < MAX_MEMOISED_VERDICTS:
+            self.routes[key] = Route(self.failed.get(shape, f"the router {problem}"))
 
     def _shape_failed(self, shape: tuple, problem: str) -> None:
         """This shape stays stock until restart (every memoised route of it too), with one ERROR."""

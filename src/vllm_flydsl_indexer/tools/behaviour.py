@@ -13,8 +13,8 @@ wrapper does for what it refuses.
 
 * **API limits**: heads, KVBlockSize, next_n, a strided q.
 * **bounds and callers**: an unknown caller at next_n 2, next_n 1 with (B, 2) bounds.
-* **memo collisions**: a strided cache after a contiguous one, with identical shapes: the memo's
-  first level must tell them apart.
+* **memo collisions**: a strided cache after a contiguous one, with identical shapes: the memo key
+  must tell them apart.
 * **Preshuffle differs from stock's**: hooks whose ``preshuffle`` says plain.
 * **pool at the i32 offset limit**: shapes only, through the router's rules
   with meta tensors (no launch, no 2 GiB allocated).
