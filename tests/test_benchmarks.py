@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+# Each runs a benchmark in a fresh interpreter (torch, and vLLM where asked, imported again): the slow set.
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 HOST_PATHS = {"taken", "stock-bound", "stock-bound cache"}
 
