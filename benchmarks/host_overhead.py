@@ -16,9 +16,9 @@ interleaved round by round in one run:
 
 * **taken**: a shape the router sends to FlyDSL (heads 64, head_dim 128);
 * **stock-bound**: a shape the router hands to stock (head_dim 96, which no
-  FlyDSL API takes): the router's memoised verdict (both memo levels), then stock;
+  FlyDSL API takes): the router's memoised stock verdict (one memo lookup), then stock;
 * **stock-bound cache**: a block-outer (strided) cache, DeepSeek-V4.1's layout, which
-  no batch can take to FlyDSL: the first memo level alone, then stock.
+  no batch can take to FlyDSL: the same memo lookup, then stock.
 
     python benchmarks/host_overhead.py [--calls 5000] [--rounds 21] [--next-n 2] [--json out.json]
 

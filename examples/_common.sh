@@ -16,7 +16,7 @@
 # No compilation flag is needed for FlyDSL: on a GPU vLLM runs eager warm-up steps
 # before it captures CUDA graphs, and those compile FlyDSL's kernels first.
 : "${EXTRA_SERVE_ARGS:=}"
-# An aiter-format tuned table (`vllm-flydsl-indexer bench --tune`), passed to both
+# An aiter-format tuned table (`vllm-flydsl-indexer tune --out FILE`), passed to both
 # arms' servers as VLLM_FLYDSL_INDEXER_TUNED_CSV; only the flydsl arm reads it.
 : "${TUNED_CSV:=}"
 : "${HEALTH_TIMEOUT:=3600}" # seconds; loading and compiling a 671B model takes a while

@@ -8,7 +8,7 @@
 # compares output tokens/s and mean/median TPOT.
 #
 # With TUNE=1 it first tunes on this node, then A/Bs with the table:
-#   1. `vllm-flydsl-indexer bench --tune "$TUNED_CSV"` times Gluon against FlyDSL for
+#   1. `vllm-flydsl-indexer tune --out "$TUNED_CSV"` times Gluon against FlyDSL for
 #      the indexer shapes on this GPU and merges one row per shape (the winner and
 #      both times) into the aiter-format table;
 #   2. `vllm-flydsl-indexer doctor --json` must report that table in use for this
@@ -30,7 +30,7 @@
 #   BENCH_SEED [0]  OUT_DIR [./flydsl-throughput-<timestamp>]  PYTHON [python3]
 #   TUNE [0]  1 = tune on this node first (above)
 #   TUNED_CSV ["", with TUNE=1: $OUT_DIR/paged_mqa_logits_tuned.csv]  the table
-#   TUNE_ARGS [""]  extra `bench --tune` flags, split on spaces (e.g. "--batch 1,64")
+#   TUNE_ARGS [""]  extra `tune --out` flags, split on spaces (e.g. "--batch 1,64")
 #
 # The input length is well above DeepSeek-V3.2's 2048-token indexer top-k, so the
 # decode steps measured are ones where the indexer's logits matter.
@@ -97,7 +97,7 @@ bench_argv() {
 tune_table() {
 	local extra=()
 	read -r -a extra <<<"$TUNE_ARGS"
-	TUNE_ARGV=(bench --tune "$TUNED_CSV" "${extra[@]}")
+	TUNE_ARGV=(tune --out "$TUNED_CSV" "${extra[@]}")
 	log "tuning on this node: VLLM_ROCM_USE_AITER=1 vllm-flydsl-indexer ${TUNE_ARGV[*]}"
 	VLLM_ROCM_USE_AITER=1 vllm-flydsl-indexer "${TUNE_ARGV[@]}" 2>&1 | tee "${OUT_DIR}/tune.log"
 }
@@ -116,7 +116,7 @@ sys.exit(0 if table["note"] == "in use" else 1)
 }
 
 mkdir -p "$OUT_DIR"
-if [[ "$TUNE" == 1 ]]; then tune_table || die "bench --tune failed; see ${OUT_DIR}/tune.log"; fi
+if [[ "$TUNE" == 1 ]]; then tune_table || die "tune --out failed; see ${OUT_DIR}/tune.log"; fi
 if [[ -n "$TUNED_CSV" ]]; then check_table_in_use; fi
 for arm in "${arms[@]}"; do
 	server_log="${OUT_DIR}/${arm}/server.log"

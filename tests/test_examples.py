@@ -485,12 +485,12 @@ def test_throughput_ab_tunes_on_the_node_then_ab_with_the_table(tuned_run) -> No
     progs = [(c["prog"], c["argv"][:1]) for c in box.calls()]
     # Tune, then the doctor reads the table back, then the arms.
     assert progs[:3] == [
-        ("vllm-flydsl-indexer", ["bench"]),
+        ("vllm-flydsl-indexer", ["tune"]),
         ("vllm-flydsl-indexer", ["doctor"]),
         ("vllm", ["serve"]),
     ]
     tune, doctor = box.calls("vllm-flydsl-indexer")
-    assert tune["argv"] == ["bench", "--tune", str(table), "--batch", "1,64"]
+    assert tune["argv"] == ["tune", "--out", str(table), "--batch", "1,64"]
     assert tune["env"]["VLLM_ROCM_USE_AITER"] == "1"
     assert doctor["argv"] == ["doctor", "--json"]
     assert doctor["env"][SWITCH] == "1" and doctor["env"][TUNED_VAR] == str(table)
@@ -504,20 +504,20 @@ def test_throughput_ab_tunes_on_the_node_then_ab_with_the_table(tuned_run) -> No
 
 
 def test_the_tune_step_is_the_plugins_own_command(tuned_run) -> None:
-    """The argv the script ran parses with the plugin's CLI as ``bench --tune``."""
+    """The argv the script ran parses with the plugin's CLI as ``tune --out``."""
     from vllm_flydsl_indexer.tools.cli import build_parser
 
     box, _ = tuned_run
     tune = box.calls("vllm-flydsl-indexer")[0]
     args = build_parser().parse_args(tune["argv"])
-    assert args.command == "bench"
+    assert args.command == "tune" and args.model is None
     assert args.tune_path == str(box.out / "paged_mqa_logits_tuned.csv") and args.batch == (1, 64)
 
 
 @pytest.mark.parametrize(
     ("env", "message", "servers"),
     [
-        ({"FAKE_TUNE_RC": "2"}, "bench --tune failed", 0),
+        ({"FAKE_TUNE_RC": "2"}, "tune --out failed", 0),
         # Rows of another arch (e.g. a --reference dry run): the plugin would ignore the table.
         ({"FAKE_TUNE_GFX": "reference"}, "would not use the tuned table", 0),
         # A server that ignored the table at runtime (rows for another CU count).

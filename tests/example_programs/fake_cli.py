@@ -90,18 +90,18 @@ def lm_eval():
 
 
 def tune():
-    # What `bench --tune` writes on a node: aiter-format rows for its GPU.
+    # What `tune --out` writes on a node: aiter-format rows for its GPU.
     record()
     from vllm_flydsl_indexer import tuning
 
     if os.environ.get("FAKE_TUNE_RC"):
         sys.exit(int(os.environ["FAKE_TUNE_RC"]))
     gfx = os.environ.get("FAKE_TUNE_GFX", "gfx950")
-    with open(opt("--tune"), "w") as f:
+    with open(opt("--out"), "w") as f:
         f.write(",".join(tuning.COLUMNS) + "\n")
         for batch, backend in ((1, "gluon"), (64, "flydsl")):
             f.write(f"{gfx},256,{batch},1,32,128,64,1,8192,{backend},256,2,2,10.0,10.0,9.0\n")
-    print(f"bench --tune: wrote 2 rows (kernel timings) to {opt('--tune')}, kept 0 earlier rows")
+    print(f"tune --out: wrote 2 rows (kernel timings) to {opt('--out')}, kept 0 earlier rows")
 
 
 def doctor():
@@ -128,7 +128,7 @@ elif name == "vllm" and argv[:2] == ["bench", "serve"]:
     bench()
 elif name == "lm_eval":
     lm_eval()
-elif name == "vllm-flydsl-indexer" and argv[:2] == ["bench", "--tune"]:
+elif name == "vllm-flydsl-indexer" and argv[:2] == ["tune", "--out"]:
     tune()
 elif name == "vllm-flydsl-indexer" and argv[:1] == ["doctor"]:
     doctor()
