@@ -14,6 +14,7 @@ import dataclasses
 import importlib
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +43,12 @@ os.environ["VLLM_CACHE_ROOT"] = CACHE_ROOT
 # The routing tests were written for "no table: FlyDSL wherever eligible"; tests of the tables and of this
 # node's measurement (tests/test_measure.py) set or clear it themselves.
 os.environ["VLLM_FLYDSL_INDEXER_TUNED_CSV"] = "none"
+# A suite started in the background (`nohup`, a shell's `&`) inherits SIGHUP or SIGINT ignored, and so
+# would every process it starts: the signal tests need what a terminal gives, so the defaults come back.
+if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 for path in (AITER_DOUBLE, AMDSMI_DOUBLE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
