@@ -12,7 +12,10 @@
   is queued behind a device-side delay, so its launches wait for the device, not the host. The CPU
   simulation has neither and times the wall clock. :data:`ROUNDS` rounds interleave the candidates; a
   round's figure is each candidate's time over stock's (geomean over the contexts), and the verdict is on
-  the median round, which with an odd count holds the margin only where most rounds do.
+  the median round, which with an odd count holds the margin only where most rounds do. The self-test
+  (small: ``selftest.MAX_BYTES``) covers SplitKV's extremes and block edges, not the timing contexts: FlyDSL
+  meets those untested, reading the live cache and writing only the workspace rows the problem takes, as
+  a served call after a FlyDSL verdict would (a self-test at those contexts would pass its byte cap).
 * **One unit:** what a rank brings to the TP group's agreement (the router's ``_agree``: one MAX, every
   rank, once per call signature) is each candidate's time over stock's, ``inf`` for none; a cached row
   brings its recorded ratio, a table's FlyDSL pick ``1 / MARGIN``. The slowest rank counts, so a cache
