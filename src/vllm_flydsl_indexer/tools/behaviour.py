@@ -240,9 +240,7 @@ BEHAVIOURS = (
         (Step(2, 64, FLYDSL, 1), Step(2, 64, STOCK, 0, form="strided"), Step(2, 64, FLYDSL, 1)),
     ),
     Behaviour(
-        "Preshuffle differs from stock's",
-        (Step(2, 64, STOCK, 0), Step(2, 1, FLYDSL, 1)),
-        plain_stock=True,
+        "Preshuffle differs from stock's", (Step(2, 64, STOCK, 0), Step(2, 1, FLYDSL, 1)), plain_stock=True
     ),
     Behaviour(
         "pool at the i32 offset limit (shapes only)",
@@ -312,9 +310,7 @@ BEHAVIOURS = (
         cached=("flydsl", "flydsl"),
     ),
     Behaviour(
-        "measured: VLLM_FLYDSL_INDEXER_TUNE=0",
-        (Step(2, 64, STOCK, 0), Step(4, 64, STOCK, 0)),
-        measure="off",
+        "measured: VLLM_FLYDSL_INDEXER_TUNE=0", (Step(2, 64, STOCK, 0), Step(4, 64, STOCK, 0)), measure="off"
     ),
     Behaviour(
         "measured: cached rows at their own context only",

@@ -54,11 +54,7 @@ from vllm_flydsl_indexer.tools.interrupt import (
 )
 from vllm_flydsl_indexer.tools.paths import Paths, build_paths
 from vllm_flydsl_indexer.tools.progress import Progress
-from vllm_flydsl_indexer.tools.reference import (
-    PagedProblem,
-    make_paged_problem,
-    per_sequence_lens,
-)
+from vllm_flydsl_indexer.tools.reference import PagedProblem, make_paged_problem, per_sequence_lens
 from vllm_flydsl_indexer.tools.streams import safe_line
 from vllm_flydsl_indexer.tools.table import format_table
 

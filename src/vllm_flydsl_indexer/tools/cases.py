@@ -258,10 +258,7 @@ def sequence_lengths(case: Case, gen: torch.Generator) -> torch.Tensor:
 
 
 def build_problem(
-    case: Case,
-    gen: torch.Generator,
-    device: torch.device,
-    like: PagedProblem | None = None,
+    case: Case, gen: torch.Generator, device: torch.device, like: PagedProblem | None = None
 ) -> PagedProblem:
     """``case``'s paged problem in vLLM's argument layout; with ``like``, the same tensor shapes."""
     lens = sequence_lengths(case, gen)
@@ -299,11 +296,7 @@ def build_problem(
             block_tables=problem.block_tables.repeat_interleave(next_n, dim=0),
         )
     problem = make_paged_problem(
-        lens,
-        next_n=case.next_n,
-        per_row_bounds=case.per_row_table,
-        compress_ratio=case.cache_ratio,
-        **common,
+        lens, next_n=case.next_n, per_row_bounds=case.per_row_table, compress_ratio=case.cache_ratio, **common
     )
     if case.strided:
         # Another layer's page interleaved in every block, as block-outer layouts do.

@@ -122,12 +122,7 @@ def not_run_note(next_ns) -> str | None:
 
 
 def run_case(
-    case: Case,
-    problem: PagedProblem,
-    paths: Paths,
-    arms: Arms,
-    topk: int,
-    capture_router: FlyDSLRouter,
+    case: Case, problem: PagedProblem, paths: Paths, arms: Arms, topk: int, capture_router: FlyDSLRouter
 ) -> CaseResult:
     router = capture_router if case.capturing else paths.router
     variant = arms.flydsl_variant()

@@ -14,11 +14,7 @@ import sys
 from vllm_flydsl_indexer.tools import cli_args, outputs, settings, streams, vllm_import
 from vllm_flydsl_indexer.tools.interrupt import EXIT_INTERRUPTED, StopNow, terminate_as_interrupt
 
-__all__ = [
-    "EXIT_BROKEN_PIPE",
-    "build_parser",
-    "main",
-]
+__all__ = ["EXIT_BROKEN_PIPE", "build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:

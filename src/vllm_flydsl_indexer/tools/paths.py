@@ -222,11 +222,7 @@ def _vllm_session(
 
 
 def build_paths(
-    arms: Arms,
-    device: torch.device,
-    max_rows: int,
-    max_model_len: int,
-    logger: logging.Logger | None = None,
+    arms: Arms, device: torch.device, max_rows: int, max_model_len: int, logger: logging.Logger | None = None
 ) -> Paths:
     """vLLM's own paths when vLLM would run Gluon here, else the mirror."""
     variant = arms.flydsl_variant()

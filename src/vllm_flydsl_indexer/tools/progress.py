@@ -6,10 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-__all__ = [
-    "BAR_WIDTH",
-    "Progress",
-]
+__all__ = ["BAR_WIDTH", "Progress"]
 
 BAR_WIDTH = 24
 

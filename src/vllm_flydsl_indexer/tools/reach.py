@@ -188,10 +188,7 @@ SHAPE_MODEL_TYPES = {"deepseek-v3.2": "deepseek_v32", "glm-5": "glm_moe_dsa"}
 
 # Hugging Face model ids taken without their config.json in the local cache (no download, ever): each
 # stands for its model type, its shape from this package's model table.
-HUB_MODEL_IDS = {
-    "deepseek-ai/DeepSeek-V3.2": "deepseek_v32",
-    "deepseek-ai/DeepSeek-V3.2-Exp": "deepseek_v32",
-}
+HUB_MODEL_IDS = {"deepseek-ai/DeepSeek-V3.2": "deepseek_v32", "deepseek-ai/DeepSeek-V3.2-Exp": "deepseek_v32"}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 

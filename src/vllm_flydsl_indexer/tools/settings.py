@@ -87,11 +87,7 @@ DEFAULT_TOPK = INDEX_TOPK  # vLLM's index_topk: the columns the top-k compares p
 
 # bench's grids, and tune --out's.
 BENCH_GPU_GRID = dict(
-    heads=HEADS,
-    block_size=(1, 64),
-    next_n=(1, 2),
-    batch=(1, 8, 32, 128),
-    context_len=(4096, 32768, 131072),
+    heads=HEADS, block_size=(1, 64), next_n=(1, 2), batch=(1, 8, 32, 128), context_len=(4096, 32768, 131072)
 )
 BENCH_CPU_GRID = dict(heads=HEADS, block_size=(1, 64), next_n=(1, 2), batch=(1, 4), context_len=(4096,))
 TUNE_GPU_GRID = dict(

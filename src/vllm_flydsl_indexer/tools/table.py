@@ -6,10 +6,7 @@ from __future__ import annotations
 import re
 import textwrap
 
-__all__ = [
-    "WIDTH",
-    "format_table",
-]
+__all__ = ["WIDTH", "format_table"]
 
 # A terminal's columns the tables fit in: the widest columns wrap at spaces onto the row's next lines.
 WIDTH = 120
