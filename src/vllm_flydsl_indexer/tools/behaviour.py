@@ -121,22 +121,8 @@ I32_LIMIT = 2**31
 # table as aiter would and reads it with the plugin's parser, so a column the plugin names wrong fails
 # check instead of agreeing with itself (tests pin the two equal).
 AITER_COLUMNS = (
-    "gfx",
-    "cu_num",
-    "batch_size",
-    "next_n",
-    "heads",
-    "head_dim",
-    "kv_block_size",
-    "preshuffle",
-    "context_len",
-    "backend",
-    "ChunkK",
-    "WavePerEU",
-    "wg_per_cu",
-    "us",
-    "gluon_us",
-    "flydsl_us",
+    *("gfx", "cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size", "preshuffle"),
+    *("context_len", "backend", "ChunkK", "WavePerEU", "wg_per_cu", "us", "gluon_us", "flydsl_us"),
 )
 # A measured bucket's FlyDSL launches: one untimed (the compile), then one per round (one context: the
 # case's max_model_len is below AMD's tuner contexts).
@@ -362,9 +348,8 @@ class PlantedKernel:
         self.launches = 0
         self.paged_launches = 0
         self.knobs: list[dict[str, object]] = []
-        self.delay = (
-            0.0  # a FlyDSL made slower: each launch waits this plus twice its own run (MEASURE_DELAY_S)
-        )
+        # A FlyDSL made slower: each launch waits this plus twice its own run (MEASURE_DELAY_S).
+        self.delay = 0.0
 
     def __call__(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         self.launches += 1
@@ -397,34 +382,15 @@ class PlantedKernel:
 
 def tuned_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
     """:data:`TABLE_ROWS` in aiter's CSV format (:data:`AITER_COLUMNS`), read by the plugin's parser."""
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=AITER_COLUMNS)
-    writer.writeheader()
+    rows = []
     for gfx, batch, next_n, backend, wg_per_cu in TABLE_ROWS:
         gluon = backend == "gluon"
-        values = (
-            gfx,
-            cus,
-            batch,
-            next_n,
-            heads,
-            head_dim,
-            64,
-            1,
-            CONTEXT_LEN,
-            backend,
-            # As aiter's tuner writes them: each backend's own knobs, 0 for the other's.
-            256 if gluon else 0,
-            2 if gluon else 0,
-            wg_per_cu,
-            1.0,
-            1.0 if gluon else 2.0,
-            2.0 if gluon else 1.0,
-        )
-        writer.writerow(dict(zip(AITER_COLUMNS, values, strict=True)))
-    return tuned.table_of(
-        tuned.read_rows(io.StringIO(text.getvalue()), TABLE_SOURCE), TABLE_SOURCE, TABLE_GFX
-    )
+        # As aiter's tuner writes them: each backend's own knobs, 0 for the other's.
+        knobs = (256, 2, wg_per_cu) if gluon else (0, 0, wg_per_cu)
+        times = (1.0, 1.0, 2.0) if gluon else (1.0, 2.0, 1.0)  # us, gluon_us, flydsl_us
+        values = (gfx, cus, batch, next_n, heads, head_dim, 64, 1, CONTEXT_LEN, backend, *knobs, *times)
+        rows.append(dict(zip(AITER_COLUMNS, values, strict=True)))
+    return _read_back(rows, TABLE_SOURCE)
 
 
 def builtin_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
@@ -432,13 +398,17 @@ def builtin_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
     the shape (``heads``, ``head_dim``): this case's, so its buckets and knobs decide here."""
     with open(tuning.BUILTIN_PATH, encoding="utf-8", newline="") as f:
         rows = tuned.read_rows(f, tuning.BUILTIN_LABEL)
+    shape = {"gfx": TABLE_GFX, "cu_num": cus, "heads": heads, "head_dim": head_dim}
+    return _read_back([{**row.text, **shape} for row in rows], tuning.BUILTIN_LABEL, "built-in")
+
+
+def _read_back(rows: list[dict], label: str, *origin: str) -> tuning.TunedTable:
+    """``rows`` written as aiter's CSV (:data:`AITER_COLUMNS`) and read back by the plugin's parser."""
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=AITER_COLUMNS)
     writer.writeheader()
-    for row in rows:
-        writer.writerow({**row.text, "gfx": TABLE_GFX, "cu_num": cus, "heads": heads, "head_dim": head_dim})
-    label = tuning.BUILTIN_LABEL
-    return tuned.table_of(tuned.read_rows(io.StringIO(text.getvalue()), label), label, TABLE_GFX, "built-in")
+    writer.writerows(rows)
+    return tuned.table_of(tuned.read_rows(io.StringIO(text.getvalue()), label), label, TABLE_GFX, *origin)
 
 
 class Problems:
