@@ -118,32 +118,28 @@ def _int(text: str) -> int | None:
         return None
 
 
-def positive_int(text: str) -> int:
-    value = _int(text)
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def bounded_int(low: int, high: int, why: str):
-    """An argument type: an integer in ``[low, high]``; the error names both bounds and ``why``."""
+def _int_type(ok, must: str, echo=repr):
+    """An argument type: an integer for which ``ok`` holds; the error says what it ``must`` be."""
 
     def parse(text: str) -> int:
         value = _int(text)
-        if value is None or not low <= value <= high:
-            raise argparse.ArgumentTypeError(
-                f"must be an integer from {low} to {high} ({why}), got {shown(text)}"
-            )
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {must}, got {echo(text)}")
         return value
 
     return parse
 
 
-def seed(text: str) -> int:
-    value = _int(text)
-    if value is None or not 0 <= value < SEED_LIMIT:
-        raise argparse.ArgumentTypeError(f"must be an integer in [0, 2**32), got {text!r}")
-    return value
+positive_int = _int_type(lambda v: v >= 1, "a positive integer")
+seed = _int_type(lambda v: 0 <= v < SEED_LIMIT, "an integer in [0, 2**32)")
+head_dim = _int_type(
+    lambda v: v >= 1 and not v % BLOCK_ALIGN, f"a positive multiple of {BLOCK_ALIGN} (e.g. 128)"
+)
+
+
+def bounded_int(low: int, high: int, why: str):
+    """An argument type: an integer in ``[low, high]``; the error names both bounds and ``why``."""
+    return _int_type(lambda v: low <= v <= high, f"an integer from {low} to {high} ({why})", shown)
 
 
 def _items(text: str) -> list[str] | None:
@@ -164,33 +160,23 @@ def _once(values: tuple, text: str) -> tuple:
     return values
 
 
-def positive_int_list(text: str) -> tuple[int, ...]:
-    items = _items(text)
-    values = tuple(_int(x) for x in items or ())
-    if not values or any(v is None or v < 1 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"must be a comma list of positive integers (e.g. 1,2), got {text!r}"
-        )
-    return _once(values, text)
+def _int_list_type(ok, must: str):
+    """An argument type: a comma list of integers, each once, for each of which ``ok`` holds."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        values = tuple(_int(x) for x in _items(text) or ())
+        if not values or any(v is None or not ok(v) for v in values):
+            raise argparse.ArgumentTypeError(f"must be a comma list of {must}, got {text!r}")
+        return _once(values, text)
+
+    return parse
 
 
-def block_size_list(text: str) -> tuple[int, ...]:
-    values = tuple(_int(x) for x in _items(text) or ())
-    if not values or any(v is None or v < 1 or (v > 1 and v % BLOCK_ALIGN) for v in values):
-        raise argparse.ArgumentTypeError(
-            f"must be a comma list of KVBlockSize values, each 1 or a multiple of {BLOCK_ALIGN} "
-            f"(e.g. 64,1), got {text!r}"
-        )
-    return _once(values, text)
-
-
-def head_dim(text: str) -> int:
-    value = _int(text)
-    if value is None or value < 1 or value % BLOCK_ALIGN:
-        raise argparse.ArgumentTypeError(
-            f"must be a positive multiple of {BLOCK_ALIGN} (e.g. 128), got {text!r}"
-        )
-    return value
+positive_int_list = _int_list_type(lambda v: v >= 1, "positive integers (e.g. 1,2)")
+block_size_list = _int_list_type(
+    lambda v: v == 1 or (v > 1 and not v % BLOCK_ALIGN),
+    f"KVBlockSize values, each 1 or a multiple of {BLOCK_ALIGN} (e.g. 64,1)",
+)
 
 
 def device(text: str) -> str:

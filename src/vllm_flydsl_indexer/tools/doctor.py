@@ -688,10 +688,8 @@ def render(data: dict[str, Any]) -> str:
             out.append(f"  {i}. {g['name']:<7} skipped ({g['detail']})")
             continue
         mark = "ok  " if g["ok"] else "FAIL"
-        note = ""
-        if not g["ok"]:
-            note = "" if not first_failure_seen else "  (after the deciding gate; report only)"
-            first_failure_seen = True
+        note = "  (after the deciding gate; report only)" if not g["ok"] and first_failure_seen else ""
+        first_failure_seen = first_failure_seen or not g["ok"]
         out.append(f"  {i}. {g['name']:<7} {mark} {g['detail']}{note}")
     kernel = data["kernel"]
     if kernel is not None:
@@ -729,27 +727,20 @@ def main(as_json: bool, strict: bool, model: tuple[str, dict | None] | None = No
         print(json.dumps(data, indent=2))
     else:  # echoed values (the switch, the table path, --model, the cache root) escaped and shortened
         print("\n".join(safe_line(line) for line in render(data).split("\n")))
-    if strict and data["arm"] != "flydsl":
-        print(
-            safe_line(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})"),
-            file=sys.stderr,
-        )
-        return 1
+    if not strict:
+        return 0
     cache = data["node_cache"]
     broken = cache["root_problem"] or cache["unwritable"]
-    if strict and broken and cache["in_use"] and data["tuned_table"].get("origin") != "dispatcher":
-        print(
-            safe_line(
-                f"doctor --strict: this node's cache cannot be written ({broken}): every process measures "
-                "its buckets again"
-            ),
-            file=sys.stderr,
+    if data["arm"] != "flydsl":
+        why = safe_line(f"doctor --strict: the FlyDSL arm would not be active ({data['reason']})")
+    elif broken and cache["in_use"] and data["tuned_table"].get("origin") != "dispatcher":
+        why = safe_line(
+            f"doctor --strict: this node's cache cannot be written ({broken}): every process measures "
+            "its buckets again"
         )
-        return 1
-    if strict and "model" in data and not data["model"]["reaches_flydsl"]:
-        print(
-            f"doctor --strict: {data['model']['label']} would stay stock ({data['model']['reason']})",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    elif "model" in data and not data["model"]["reaches_flydsl"]:
+        why = f"doctor --strict: {data['model']['label']} would stay stock ({data['model']['reason']})"
+    else:
+        return 0
+    print(why, file=sys.stderr)
+    return 1
