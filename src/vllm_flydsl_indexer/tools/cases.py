@@ -262,7 +262,6 @@ def build_problem(
 ) -> PagedProblem:
     """``case``'s paged problem in vLLM's argument layout; with ``like``, the same tensor shapes."""
     lens = sequence_lengths(case, gen)
-    shape_of = {}
     if like is not None:
         shape_of = dict(
             pool_blocks=like.kv_cache.shape[0],

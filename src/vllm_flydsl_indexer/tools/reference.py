@@ -428,11 +428,7 @@ def flydsl_contract_violation(
         return f"heads={heads}, head_dim={head_dim}: not powers of two multiple of 32 and 64"
     if kv_cache.dtype != torch.uint8 or kv_cache.dim() != 4:
         return f"kv_cache must be uint8 (blocks, KVB, 1, dim), got {kv_cache.dtype} {tuple(kv_cache.shape)}"
-    if (
-        kv_cache.shape[1] != KVBlockSize
-        or kv_cache.shape[2] != 1
-        or kv_cache.shape[3] < head_dim + SCALE_BYTES
-    ):
+    if tuple(kv_cache.shape[1:3]) != (KVBlockSize, 1) or kv_cache.shape[3] < head_dim + SCALE_BYTES:
         return (
             f"kv_cache shape {tuple(kv_cache.shape)} does not match KVBlockSize={KVBlockSize}, D={head_dim}"
         )
@@ -564,11 +560,8 @@ def gfx950_contract_violation(
         # The earlier wrapper does not refuse it, but reads q in dwords at its strides assuming a
         # dense head_dim: wrong values, so its reference refuses it too.
         return "q_fp8 must be contiguous"
-    if kv_cache.dtype != torch.uint8 or tuple(kv_cache.shape[1:]) != (
-        contract.block_size,
-        1,
-        contract.index_dim,
-    ):
+    block = (contract.block_size, 1, contract.index_dim)
+    if kv_cache.dtype != torch.uint8 or tuple(kv_cache.shape[1:]) != block:
         return f"kv_cache must be uint8 (*, {contract.block_size}, 1, {contract.index_dim})"
     if contract.strict and not kv_cache.is_contiguous():
         return "kv_cache must be contiguous"

@@ -325,10 +325,7 @@ def main(args) -> int:
         settings.fail(f"{settings.PROG} {args.command}", problem)
     if args.command == "bench":
         print(f"{settings.PROG} {label}: {settings.TUNE_ALIAS}", file=sys.stderr)
-    if arms.real:
-        gfx = tuned.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
-    else:
-        gfx = REFERENCE_GFX
+    gfx = tuned.arch_of(torch.cuda.get_device_properties(device).gcnArchName) if arms.real else REFERENCE_GFX
     sweep = Sweep()
     with StopSignal(per_call=True) as stop:
         rows = tune_rows(args, arms, device, gfx, stop, sweep)
