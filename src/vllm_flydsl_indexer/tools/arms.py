@@ -176,14 +176,7 @@ def detect_arms(device: torch.device, force_reference: bool = False) -> Arms:
     if variant is None:
         reference.why = f"aiter's FlyDSL kernel not found ({reason})"
         return reference
-    return Arms(
-        True,
-        f"real kernels: aiter Gluon vs aiter FlyDSL ({variant.name})",
-        f"{where}, {variant.location}",
-        gluon,
-        variant.fn,
-        variant,
-    )
+    return _real_arms(gluon, where, variant)
 
 
 def kernel_arms(variant: KernelVariant) -> Arms | str:
@@ -192,6 +185,10 @@ def kernel_arms(variant: KernelVariant) -> Arms | str:
     gluon, where = _find_gluon()
     if gluon is None:
         return f"aiter's Gluon kernel, which stock runs, not found ({where})"
+    return _real_arms(gluon, where, variant)
+
+
+def _real_arms(gluon: Callable, where: str, variant: KernelVariant) -> Arms:
     label = f"real kernels: aiter Gluon vs aiter FlyDSL ({variant.name})"
     return Arms(True, label, f"{where}, {variant.location}", gluon, variant.fn, variant)
 

@@ -198,6 +198,8 @@ class Behaviour:
     cached: tuple[str, ...] = ()  # the node cache's backends, by batch bucket, once the case has run
 
 
+# A self-test that fails: each shape's first call launches FlyDSL once (its self-test) and stays stock.
+FAILED_SELF_TEST = (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1))
 # One row per case: cases of one kind share their shape, data, not code.
 BEHAVIOURS = (
     Behaviour(
@@ -260,17 +262,9 @@ BEHAVIOURS = (
         (Step(2, 64, FLYDSL, 2), Step(2, 64, FLYDSL, 1), Step(2, 1, FLYDSL, 2)),
         self_test=True,
     ),
+    Behaviour("self-test, FlyDSL wrong", FAILED_SELF_TEST, fault="wrong", self_test=True),
     Behaviour(
-        "self-test, FlyDSL wrong",
-        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
-        fault="wrong",
-        self_test=True,
-    ),
-    Behaviour(
-        "self-test, FlyDSL leaves a column unwritten",
-        (Step(2, 64, STOCK, 1), Step(2, 64, STOCK, 0), Step(2, 1, STOCK, 1)),
-        fault="unwritten",
-        self_test=True,
+        "self-test, FlyDSL leaves a column unwritten", FAILED_SELF_TEST, fault="unwritten", self_test=True
     ),
     Behaviour(
         "self-test, FlyDSL reverses a sequence's rows",
@@ -354,12 +348,8 @@ class PlantedKernel:
     def __call__(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         self.launches += 1
         self.knobs.append(dict(kwargs))
-        started = time.perf_counter()
-        try:
-            return self._launch(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
-        finally:
-            if self.delay:
-                time.sleep(self.delay + 2 * (time.perf_counter() - started))
+        launch = _slowed(self._launch, self.delay)
+        return launch(q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs)
 
     def _launch(self, q_fp8, kv_cache, weights, out, lens, block_tables, max_model_len, **kwargs):
         if self.fault == "raises" and kv_cache.shape[1] > 1:
@@ -378,6 +368,20 @@ class PlantedKernel:
             rows = out.view(q_fp8.shape[0], q_fp8.shape[1], -1)
             rows.copy_(rows.flip(1))
         return result
+
+
+def _slowed(fn: Callable[..., torch.Tensor], delay: float) -> Callable[..., torch.Tensor]:
+    """``fn``, each call then waiting ``delay`` plus twice its own run (none with ``delay`` 0)."""
+
+    def call(*args, **kwargs) -> torch.Tensor:
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if delay:
+                time.sleep(delay + 2 * (time.perf_counter() - started))
+
+    return call
 
 
 def tuned_table(cus: int, heads: int, head_dim: int) -> tuning.TunedTable:
@@ -579,19 +583,9 @@ def _run_behaviour(behaviour, contract, problems, device, topk, logger, result) 
         tune = None if not behaviour.measure else behaviour.measure in ("slower", "faster")
         if behaviour.measure == "cached":
             _plant_rows(device, heads, head_dim)
-        router_stock = stock
-        if behaviour.measure in ("slower", "faster"):
-            kernel.delay = MEASURE_DELAY_S if behaviour.measure == "slower" else 0.0
-            delay = MEASURE_DELAY_S if behaviour.measure == "faster" else 0.0
-
-            def router_stock(*args, delay=delay, **kwargs):  # stock as the router sees it, made slower
-                started = time.perf_counter()
-                try:
-                    return stock(*args, **kwargs)
-                finally:
-                    if delay:
-                        time.sleep(delay + 2 * (time.perf_counter() - started))
-
+        kernel.delay = MEASURE_DELAY_S if behaviour.measure == "slower" else 0.0
+        # "faster": stock as the router sees it is made slower instead.
+        router_stock = _slowed(stock, MEASURE_DELAY_S) if behaviour.measure == "faster" else stock
         router = FlyDSLRouter(
             router_stock, variant, hooks, logger, table=table, self_test=behaviour.self_test, tune=tune
         )

@@ -271,13 +271,7 @@ def _this_gpu_key() -> tuple[str, int, str] | None:
 def _cache_file_report(path: Path, here: tuple[str, int, str] | None) -> dict[str, Any]:
     """One node cache file as the plugin would read it: its key line, its usable rows, and the WARNING
     texts the plugin logs for it (:func:`measure.load_cache`'s own words)."""
-    entry: dict[str, Any] = {
-        "path": str(path),
-        "key": None,
-        "usable_rows": 0,
-        "problems": [],
-        "read_here": None,
-    }
+    entry: dict[str, Any] = dict(path=str(path), key=None, usable_rows=0, problems=[], read_here=None)
     named = CACHE_NAME.fullmatch(path.name)
     gfx, cus, digest = (named.group(1), int(named.group(2)), named.group(3)) if named else ("", 0, "")
     if here is not None:
