@@ -213,18 +213,11 @@ def raw_launch(kernel: Callable, output_buffer: Callable[[int, int], torch.Tenso
     """``kernel`` launched straight on a :class:`PagedProblem`, as vLLM launches Gluon (no router)."""
 
     def run(p: PagedProblem) -> torch.Tensor:
-        out = output_buffer(p.batch * p.next_n, p.max_model_len)
+        q, kv, weights, lens, tables, _, max_model_len = p.call_args()
+        out = output_buffer(p.batch * p.next_n, max_model_len)
+        lens, size = per_sequence_lens(lens, p.batch).contiguous(), p.block_size
         kernel(
-            p.q_fp8,
-            p.kv_cache,
-            p.weights,
-            out,
-            per_sequence_lens(p.context_lens, p.batch).contiguous(),
-            p.block_tables,
-            p.max_model_len,
-            Preshuffle=p.block_size > 1,
-            KVBlockSize=p.block_size,
-            **knobs,
+            q, kv, weights, out, lens, tables, max_model_len, Preshuffle=size > 1, KVBlockSize=size, **knobs
         )
         return out
 

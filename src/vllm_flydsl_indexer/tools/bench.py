@@ -261,18 +261,11 @@ def run(args, stop: StopSignal | None = None) -> tuple[list[ArmResult], dict]:
                 baseline = p0.reference_logits(out, "gluon").clone()
                 nbytes, flops = traffic(p0)
                 kv_mb = min(p0.kv_bytes, p0.kv_cache.numel()) / 1e6
+                sizes = dict(kv_mb=kv_mb, gbytes=nbytes / 1e9, gflops=flops / 1e9)
                 for name, (real, fn) in arm_callables(arms, paths).items():
                     if wanted and name not in wanted:
                         continue
-                    r = ArmResult(
-                        asdict(shape),
-                        name,
-                        real,
-                        "timed",
-                        kv_mb=kv_mb,
-                        gbytes=nbytes / 1e9,
-                        gflops=flops / 1e9,
-                    )
+                    r = ArmResult(asdict(shape), name, real, "timed", **sizes)
                     taken = paths.router.calls_taken
                     problem_ = gate(fn, baseline, p0, paths, real)
                     if name.startswith("patched-call"):
@@ -347,35 +340,23 @@ def _speedups(rows: list[ArmResult]) -> None:
 
 
 def render(results: list[ArmResult], meta: dict) -> str:
-    header = (
-        "shape",
-        "arm",
-        "kv_mb",
-        "median us",
-        "min us",
-        "max us",
-        "GB/s",
-        "% copy bw",
-        "x base",
-        "status",
-    )
-    rows = []
-    for r in results:
-        s = Shape(**r.shape)
-        rows.append(
-            (
-                s.label,
-                r.arm,
-                f"{r.kv_mb:.1f}",
-                *(
-                    f"{v:.1f}" if v is not None else "-"
-                    for v in (r.median_us, r.min_us, r.max_us, r.achieved_gbps)
-                ),
-                f"{100 * r.copy_bw_fraction:.0f}%" if r.copy_bw_fraction else "-",
-                f"{r.speedup_vs_baseline:.2f}" if r.speedup_vs_baseline else "-",
-                r.status,
-            )
+    header = ("shape", "arm", "kv_mb", "median us", "min us", "max us")
+    header += ("GB/s", "% copy bw", "x base", "status")
+    rows = [
+        (
+            Shape(**r.shape).label,
+            r.arm,
+            f"{r.kv_mb:.1f}",
+            *(
+                f"{v:.1f}" if v is not None else "-"
+                for v in (r.median_us, r.min_us, r.max_us, r.achieved_gbps)
+            ),
+            f"{100 * r.copy_bw_fraction:.0f}%" if r.copy_bw_fraction else "-",
+            f"{r.speedup_vs_baseline:.2f}" if r.speedup_vs_baseline else "-",
+            r.status,
         )
+        for r in results
+    ]
     copy = f"{meta['copy_bw_gbps']:.0f} GB/s" if meta["copy_bw_gbps"] else "n/a (CPU)"
     head = []
     if meta.get("interrupted"):

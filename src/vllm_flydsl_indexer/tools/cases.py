@@ -262,23 +262,13 @@ def build_problem(
 ) -> PagedProblem:
     """``case``'s paged problem in vLLM's argument layout; with ``like``, the same tensor shapes."""
     lens = sequence_lengths(case, gen)
-    if like is not None:
-        shape_of = dict(
-            pool_blocks=like.kv_cache.shape[0],
-            block_table_width=like.block_tables.shape[1],
-            max_model_len=like.max_model_len,
-        )
-    else:
-        shape_of = dict(max_model_len=-(-case.context_len // case.cache_ratio))
     common = dict(
-        heads=case.heads,
-        head_dim=case.head_dim,
-        block_size=case.block_size,
-        preshuffle=case.preshuffle,
-        generator=gen,
-        device=device,
-        **shape_of,
+        heads=case.heads, head_dim=case.head_dim, block_size=case.block_size, preshuffle=case.preshuffle
     )
+    common |= dict(generator=gen, device=device, max_model_len=-(-case.context_len // case.cache_ratio))
+    if like is not None:
+        common |= dict(pool_blocks=like.kv_cache.shape[0], block_table_width=like.block_tables.shape[1])
+        common |= dict(max_model_len=like.max_model_len)
     if case.kind == "dcp":
         # Rank 0 of 2 holds every other token: local lengths ceil(L / 2), bounds
         # localised per row after expansion (not one apart).

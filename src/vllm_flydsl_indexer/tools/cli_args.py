@@ -626,10 +626,8 @@ def tune_file(
             return None, _not_a_table(path, f"{path}: header {','.join(table[0])}", flag)
         return table, None
     except tuned.TableError as e:
-        return (
-            None,
-            f"argument {flag}: {e}; not merging into it (fix or remove that row, or give another file)",
-        )
+        why = f"argument {flag}: {e}; not merging into it (fix or remove that row, or give another file)"
+        return None, why
     except UnicodeDecodeError as e:
         line = e.object[: e.start].count(b"\n") + 1
         return None, f"argument {flag}: {path}: line {line}: not UTF-8 ({e.reason}); not overwriting it"

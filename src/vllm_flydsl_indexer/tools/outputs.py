@@ -226,12 +226,9 @@ def locked(path: str, waiting: str | None = None) -> Iterator[None]:
     """
     try:
         import fcntl
-    except ImportError:  # not POSIX
-        yield
-        return
-    try:
+
         fd = os.open(lock_path(path), os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
-    except OSError:
+    except (ImportError, OSError):  # not POSIX, or no lock file
         yield
         return
     try:

@@ -253,16 +253,9 @@ class PagedProblem:
 
     def reference_logits(self, out: torch.Tensor, contract: Contract) -> torch.Tensor:
         """This problem's logits into ``out`` under one kernel's write contract."""
+        q, kv, weights, lens, tables, _, max_model_len = self.call_args()
         return fp8_paged_mqa_logits_reference(
-            self.q_fp8,
-            self.kv_cache,
-            self.weights,
-            out,
-            self.context_lens,
-            self.block_tables,
-            self.max_model_len,
-            preshuffle=self.preshuffle,
-            contract=contract,
+            q, kv, weights, out, lens, tables, max_model_len, preshuffle=self.preshuffle, contract=contract
         )
 
     @property
@@ -333,14 +326,8 @@ def make_paged_problem(
     keys = keys * torch.rand(needed, block_size, 1, generator=bulk, device=device).mul(4).add(0.25)
     k_fp8, scale = quantize_keys(keys)
     used = pack_blocks(k_fp8, scale, preshuffle=preshuffle)
-    cache = torch.randint(
-        0,
-        256,
-        (num_blocks, block_size, 1, head_dim + SCALE_BYTES),
-        dtype=torch.uint8,
-        generator=bulk,
-        device=device,
-    )
+    pool = (num_blocks, block_size, 1, head_dim + SCALE_BYTES)
+    cache = torch.randint(0, 256, pool, dtype=torch.uint8, generator=bulk, device=device)
     physical = torch.randperm(num_blocks, generator=gen)[:needed]
     cache[physical.to(device)] = used
 
