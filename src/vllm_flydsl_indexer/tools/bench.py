@@ -150,18 +150,9 @@ def build_problem(shape: Shape, args, gen: torch.Generator, device: torch.device
         lens = torch.randint(low, shape.context_len + 1, (shape.batch,), generator=gen).tolist()
     else:
         lens = [shape.context_len] * shape.batch
-    problem = make_paged_problem(
-        lens,
-        next_n=shape.next_n,
-        heads=shape.heads,
-        head_dim=shape.head_dim,
-        block_size=shape.block_size,
-        preshuffle=shape.block_size > 1,
-        max_model_len=shape.context_len,
-        spare_blocks=0,
-        generator=gen,
-        device=device,
-    )
+    sizes = dict(heads=shape.heads, head_dim=shape.head_dim, block_size=shape.block_size, spare_blocks=0)
+    sizes |= dict(preshuffle=shape.block_size > 1, max_model_len=shape.context_len)
+    problem = make_paged_problem(lens, next_n=shape.next_n, generator=gen, device=device, **sizes)
     if args.pool_blocks:
         problem.block_tables = problem.block_tables % args.pool_blocks
         problem.kv_cache = problem.kv_cache[: args.pool_blocks].contiguous()

@@ -162,21 +162,10 @@ def run_case(
     written = int((~torch.isnan(patched_out)).sum())
     # aiter's dispatcher may pick Gluon, whose -inf prefill writes past the read windows.
     exact_writes = arm == "stock" or variant.own_table or written == agreement.read_columns
-    return CaseResult(
-        case,
-        expected,
-        arm,
-        rows,
-        agreement.read_columns,
-        written,
-        agreement.max_rel_diff,
-        agreement.mask_equal,
-        agreement.topk_equal,
-        agreement.nan_free,
-        agreement.within(tolerance),
-        kernel_error,
-        ok=arm == expected and kernel_error is None and agreement.ok(tolerance) and exact_writes,
-    )
+    ok = arm == expected and kernel_error is None and agreement.ok(tolerance) and exact_writes
+    read = (agreement.read_columns, written, agreement.max_rel_diff)
+    flags = (agreement.mask_equal, agreement.topk_equal, agreement.nan_free, agreement.within(tolerance))
+    return CaseResult(case, expected, arm, rows, *read, *flags, kernel_error, ok)
 
 
 def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out) -> CaseResult:

@@ -133,11 +133,8 @@ def table_report(decision: gates.Decision, environ: dict[str, str] | None) -> di
     """The tuned table the plugin would use here, where it comes from, what it picks, and why each row it
     skips is refused (the plugin reads leniently; this is the validator's word on every cell)."""
     if decision.variant is not None and decision.variant.own_table:
-        return {
-            "source": None,
-            "origin": "dispatcher",
-            "note": "aiter's dispatcher decides with its own tuned table",
-        }
+        note = "aiter's dispatcher decides with its own tuned table"
+        return {"source": None, "origin": "dispatcher", "note": note}
     env = os.environ if environ is None else environ
     sources = tuning.sources(env.get(envs.TUNED_CSV), decision.variant.name if decision.variant else None)
     gfx = tuning.arch_of(decision.gcn_arch or gates.gcn_arch() or "") or "this machine (no ROCm arch)"
@@ -252,16 +249,14 @@ def cache_dir_problem(directory: Path, make: bool, environ: dict[str, str] | Non
 def _this_gpu_key() -> tuple[str, int, str] | None:
     """``(gfx, CUs, key line)`` of the node cache this GPU's plugin reads, or ``None`` without a ROCm GPU
     (the key then is unknown: each file is judged by its own key line)."""
+    cus = _gpu_cu_count()
     try:
         import torch
 
-        if not torch.cuda.is_available() or torch.version.hip is None:
+        if cus is None or torch.version.hip is None:
             return None
-        from vllm_flydsl_indexer.kernels import cu_count
-
         device = torch.device("cuda", 0)
         gfx = tuning.arch_of(torch.cuda.get_device_properties(device).gcnArchName)
-        cus = cu_count(device)
         key = measure.cache_key(device, gfx, cus)
         return None if key is None else (gfx, cus, key)
     except Exception:  # noqa: BLE001 - doctor reports, never crashes

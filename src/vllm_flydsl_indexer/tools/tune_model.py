@@ -335,6 +335,8 @@ def main(args: argparse.Namespace) -> int:
         pool = _pool(device, max(b for _, b in plan), max_model_len, head_dim + SCALE_BYTES)
         # The node cache as the router will read it: a bucket it covers is cached, not measured.
         node = measure.load_cache(cache, stack, gfx, cus)[0]
+        sizes = dict(heads=heads, head_dim=head_dim, block_size=block, preshuffle=True, spare_blocks=0)
+        sizes |= dict(max_model_len=max_model_len, device=device)
         for i, (next_n, batch) in enumerate(plan):
             if stop.requested:
                 progress.close(interrupted=True)
@@ -342,18 +344,8 @@ def main(args: argparse.Namespace) -> int:
             progress.step(f"next_n={next_n} batch={batch}")
             row = Bucket(heads, head_dim, next_n, block, batch)
             buckets.append(row)
-            p = make_paged_problem(
-                [max(next_n, block)] * batch,
-                next_n=next_n,
-                heads=heads,
-                head_dim=head_dim,
-                block_size=block,
-                preshuffle=True,
-                max_model_len=max_model_len,
-                spare_blocks=0,
-                generator=torch.Generator().manual_seed(i),
-                device=device,
-            )
+            gen = torch.Generator().manual_seed(i)
+            p = make_paged_problem([max(next_n, block)] * batch, next_n=next_n, generator=gen, **sizes)
             call = (p.q_fp8, pool, p.weights, p.context_lens, p.block_tables, None, max_model_len)
             reason = variant.violation(p.q_fp8, pool, p.weights, p.context_lens, p.block_tables)
             if reason is None and next_n > 1:
