@@ -77,6 +77,8 @@ def assert_rows_are_the_cache(rows: list[list[str]], cached: dict[tuple, dict]) 
         assert speedup == f"{float(row['gluon_us']) / float(row['us']):.2f}x", (speedup, row)
 
 
+# Two tune runs under vLLM (~30 s on 2 cores): the slow set; the fast suite runs tune without vLLM.
+@pytest.mark.slow
 def test_tune_with_vllm_measures_each_bucket_once_then_reads_the_cache(tmp_path):
     env = env_for(tmp_path)
     first = tune(["tune", "--model", "deepseek-ai/DeepSeek-V3.2", "--max-batch", "5"], env)
