@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,8 @@ def test_the_first_sentence_scopes_amds_measurements_to_what_they_measured():
     assert "FlyDSL takes every eligible call" not in head
 
 
+# doctor under vLLM in a subprocess (~14 s on 2 cores): the slow set, which CI runs.
+@pytest.mark.slow
 def test_the_readmes_active_line_is_what_the_plugin_logs():
     """The example ACTIVE line (general kernel, no table) is doctor's log line, word for word."""
     import json

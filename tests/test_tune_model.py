@@ -197,6 +197,8 @@ def test_nothing_measurable_is_one_line_exit_1(tmp_path, where, words):
     assert not (tmp_path / "cache").exists()
 
 
+# A tune run under vLLM (~13 s on 2 cores): the slow set; test_interrupt keeps Ctrl-C in the fast suite.
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_finished_buckets_and_exits_130(tmp_path):
     env = env_for(tmp_path, vllm=False)
     code = "import sys\nfrom vllm_flydsl_indexer.tools.cli import main\nsys.exit(main(sys.argv[1:]))\n"
