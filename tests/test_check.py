@@ -22,7 +22,7 @@ from vllm_flydsl_indexer.tools import check, settings
 from vllm_flydsl_indexer.tools import cli as cli_mod
 
 SMALL = ["check", "--batch", "4", "--context-len", "320", "--device", "cpu"]
-# 23 model and bounds cases, 13 router-behaviour cases for each of 2 APIs, 3 agreement self-tests.
+# 23 model and bounds cases, 17 router-behaviour cases for each of 2 APIs, 3 agreement self-tests.
 ALL_PASS = "60 passed, 0 failed"
 
 
