@@ -133,6 +133,8 @@ def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     from vllm_flydsl_indexer.tools.paths import call_site_in
 
     init_workspace_manager(torch.device("cpu"))
+    # vLLM 0.32.0's workspace empties the accelerator's cache when it grows: there is none on a CPU.
+    torch.accelerator.empty_cache = lambda: None
     vllm_flydsl_indexer.register()
     installed = patch.installed()
     assert installed is not None, "the plugin did not activate under the simulation"

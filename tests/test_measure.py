@@ -13,6 +13,7 @@ import csv
 import dataclasses
 import math
 import os
+import random
 import textwrap
 import time
 
@@ -412,6 +413,46 @@ def test_a_cache_directory_others_can_write_is_refused_with_one_warning(cache_ro
     assert path().read_text() == before  # nor written
     warnings = warnings_of(plugin_log)
     assert len(warnings) == 1 and "only it can write" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("backend", ["gluon", "flydsl"])
+@pytest.mark.parametrize("edge", [-5e-4, 0.0, 5e-4])
+def test_a_measurement_at_the_margins_edge_is_written_and_read_whichever_verdict_it_gave(
+    cache_root, backend, edge
+):
+    """FlyDSL's time over stock's within rounding of ``1 / MARGIN``: a close measurement may have gone either
+    way, and its row is neither refused on write nor read as corrupt (a CPU run once measured 0.97128,
+    ``gluon``, and the row was refused, so every start measured the bucket again)."""
+    gluon = 1000 + 600 * random.random()
+    flydsl = gluon * (1 + edge) / measure.MARGIN
+    us = gluon if backend == "gluon" else flydsl
+    values = (
+        GFX,
+        CUS,
+        2,
+        1,
+        64,
+        128,
+        64,
+        True,
+        "256",
+        backend,
+        0,
+        0,
+        0,
+        round(us, 4),
+        round(gluon, 4),
+        round(flydsl, 4),
+    )
+    row = dict(zip(tuning.COLUMNS, values, strict=True))
+    key = measure.cache_key(torch.device("cpu"), GFX, CUS)
+    assert measure.write_cache(path(), key, [row]) is None
+    found, problems = measure.load_cache(path(), key, GFX, CUS)
+    assert problems == [] and [r["backend"] for r in found.values()] == [backend]
+    # Past rounding, the figures decide: the other verdict is corrupt.
+    far = dict(row, flydsl_us=str(round(gluon * (1.01 if backend == "flydsl" else 0.9) / measure.MARGIN, 4)))
+    far["us"] = far["flydsl_us"] if backend == "flydsl" else far["us"]
+    assert "say otherwise" in measure.write_cache(path(), key, [far])
 
 
 def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(cache_root, monkeypatch):

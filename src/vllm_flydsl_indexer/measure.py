@@ -117,8 +117,10 @@ def _row_key(row: dict, gfx: str, cus: int) -> tuple | str:
         return "a row the lookup cannot use, or for another GPU"
     if not all(math.isfinite(f) and f > 0 for f in (us, gluon, flydsl)):
         return f"figures that are not positive finite times ({us}, {gluon}, {flydsl})"
-    taken = flydsl * MARGIN <= gluon * (1 + TOLERANCE)
-    if taken != (found[3] != "gluon") or not math.isclose(us, (gluon, flydsl)[taken], rel_tol=TOLERANCE):
+    # FlyDSL's verdict holds where the ratio is at most 1; within TOLERANCE of 1 (rounding), either does.
+    flydsl_row, ratio = found[3] != "gluon", flydsl * MARGIN / gluon
+    wrong_side = ratio > 1 + TOLERANCE if flydsl_row else ratio < 1 - TOLERANCE
+    if wrong_side or not math.isclose(us, (gluon, flydsl)[flydsl_row], rel_tol=TOLERANCE):
         return f"a {found[3]} row whose figures say otherwise (us {us}, gluon {gluon}, flydsl {flydsl})"
     return found[1], found[2], row.get("context_len", "")
 
