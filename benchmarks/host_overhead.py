@@ -37,6 +37,7 @@ the per-step cost.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -53,6 +54,8 @@ LAYERS_DSV32 = 61
 TAKEN = dict(heads=64, head_dim=128)
 STOCK_BOUND = dict(heads=64, head_dim=96)  # no FlyDSL API takes head_dim 96
 STOCK_BOUND_CACHE = dict(heads=64, head_dim=128, block_outer=True)  # a strided cache (V4.1's layout)
+# What simulated() sets up (vLLM's workspace on the CPU) stays up for the whole run: held, never closed.
+SESSION = contextlib.ExitStack()
 PATHS = {"taken": TAKEN, "stock-bound": STOCK_BOUND, "stock-bound cache": STOCK_BOUND_CACHE}
 
 
@@ -126,15 +129,12 @@ def simulated(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
     import aiter.ops.triton.pa_mqa_logits as gluon
     import torch
     import vllm.v1.attention.ops.rocm_aiter_mla_sparse as target
-    from vllm.v1.worker.workspace import init_workspace_manager
 
     import vllm_flydsl_indexer
     from vllm_flydsl_indexer import patch
-    from vllm_flydsl_indexer.tools.paths import call_site_in
+    from vllm_flydsl_indexer.tools.paths import call_site_in, vllm_workspace
 
-    init_workspace_manager(torch.device("cpu"))
-    # vLLM 0.32.0's workspace empties the accelerator's cache when it grows: there is none on a CPU.
-    torch.accelerator.empty_cache = lambda: None
+    SESSION.enter_context(vllm_workspace(torch.device("cpu")))  # as check sets vLLM's workspace up
     vllm_flydsl_indexer.register()
     installed = patch.installed()
     assert installed is not None, "the plugin did not activate under the simulation"

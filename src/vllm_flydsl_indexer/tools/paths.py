@@ -46,7 +46,7 @@ from vllm_flydsl_indexer.tools.arms import (
 from vllm_flydsl_indexer.tools.harness import plugin_logger
 from vllm_flydsl_indexer.tools.reference import gluon_contract_reference
 
-__all__ = ["Paths", "build_paths", "call_site_in", "vllm_gluon_objection", "vllm_target"]
+__all__ = ["Paths", "build_paths", "call_site_in", "vllm_gluon_objection", "vllm_target", "vllm_workspace"]
 
 _CALL_SITE = compile(
     "def call_site(fn, args, kwargs):\n    return fn(*args, **kwargs)\n",
@@ -190,7 +190,7 @@ def _reference_lookups(
 
 
 @contextlib.contextmanager
-def _vllm_workspace(device: torch.device) -> Iterator[None]:
+def vllm_workspace(device: torch.device) -> Iterator[None]:
     """vLLM's workspace manager on ``device``, initialised for the session if the process has none.
 
     Its growth frees the accelerator cache, which a CPU-only torch refuses; on a
@@ -213,7 +213,7 @@ def _vllm_workspace(device: torch.device) -> Iterator[None]:
 def _vllm_session(
     target: ModuleType, device: torch.device, hooks: StockHooks, real_kernels: bool
 ) -> Iterator[None]:
-    with _vllm_workspace(device):
+    with vllm_workspace(device):
         if real_kernels:
             yield
         else:
