@@ -33,6 +33,9 @@ DEFINING = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 # 1 - 2*sum(xy)/sum(x^2 + y^2) is then about NOISE**2 / 2 per row, its largest row 5.2e-3 on the self-test's
 # problem (the test measures it): five times the rule's 1e-3 and half of a rule loosened to 1e-2.
 NOISE = 0.08
+# A bound past every sequence of the self-test's small problem (its longest is 3.5 blocks at KVBlockSize 64):
+# the "long" plant is wrong only beyond it, so only the timing contexts can catch it.
+LONG = 4 * 64
 
 
 def add_noise(out: torch.Tensor, fraction: float, seed: int = 7) -> None:
@@ -59,7 +62,7 @@ class Kernel:
         if self.fault == "short":
             lens = lens - 1  # one column short in every row's window
         self.reference(q_fp8, kv_cache, weights, out, lens, tables, max_model_len, **knobs)
-        if self.fault == "noisy":
+        if self.fault == "noisy" or (self.fault == "long" and int(lens.max()) > LONG):
             add_noise(out, NOISE)
         batch, next_n = q_fp8.shape[:2]
         if self.fault == "reverse" and next_n > 1:
@@ -692,3 +695,29 @@ def test_a_wrong_flydsl_double_behind_register_is_caught_at_its_shapes_first_cal
     call(target.rocm_fp8_paged_mqa_logits, p2, 1)
     assert [name for name, _ in aiter_calls] == ["gluon"] and len(installed.router.failed) == 1
     assert installed.router.calls_taken == 0 and len(errors(plugin_log)) == 1
+
+
+# ---------------------------------------------------------------- issue 49: the timing contexts
+
+
+def test_flydsl_wrong_only_at_the_timing_context_fails_its_shape_before_it_is_timed(
+    make_router, target, plugin_log, tmp_path, monkeypatch
+):
+    """A kernel right on the self-test's small problem and wrong past it (noise beyond bound 256) passes
+    the small self-test; the measurement's self-test at its timing context (the live ``max_model_len``
+    here, 320) fails it before it is timed: stock's answer, one ERROR naming the context, no cached row,
+    and the shape stays stock."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    kernel = Kernel("long")
+    assert max(selftest.synthetic_lengths(64, 1)) < LONG
+    router = make_router(kernel, tune=True, gfx="gfx950")
+    p = problem(1, 91, lens=(300, 41, 7), max_model_len=320)
+    out = run(router, target, p)
+    assert agree(target, p, out) and router.calls_taken == 0
+    (error,) = errors(plugin_log)
+    assert "self-test failed at context 320: FlyDSL at SplitKV" in error and "max rel diff" in error, error
+    assert router.failed and not [r for r in plugin_log if "measured" in r.getMessage()]  # never timed
+    assert not list(tmp_path.rglob("*.csv"))  # nothing cached: a restart tests again
+    launches = kernel.launches
+    later = problem(1, 92, lens=(310, 9), max_model_len=320)
+    assert agree(target, later, run(router, target, later)) and kernel.launches == launches

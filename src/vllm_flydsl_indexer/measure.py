@@ -13,9 +13,10 @@
   simulation has neither and times the wall clock. :data:`ROUNDS` rounds interleave the candidates; a
   round's figure is each candidate's time over stock's (geomean over the contexts), and the verdict is on
   the median round, which with an odd count holds the margin only where most rounds do. The self-test
-  (small: ``selftest.MAX_BYTES``) covers SplitKV's extremes and block edges, not the timing contexts: FlyDSL
-  meets those untested, reading the live cache and writing only the workspace rows the problem takes, as
-  a served call after a FlyDSL verdict would (a self-test at those contexts would pass its byte cap).
+  covers the timing contexts before they are timed: its small problem (``selftest.MAX_BYTES``) proves
+  SplitKV's extremes and block edges; then the same self-test runs each candidate on one synthetic
+  sequence at each context (about 132 bytes a token: 4.3 MB at 32k), with the same launches; a
+  disagreement fails the shape as the self-test does, and leaves no row.
 * **One unit:** what a rank brings to the TP group's agreement (the router's ``_agree``: one MAX, every
   rank, once per call signature) is each candidate's time over stock's, ``inf`` for none; a cached row
   brings its recorded ratio, a table's FlyDSL pick ``1 / MARGIN``. The slowest rank counts, so a cache
@@ -243,14 +244,20 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     qb = torch.randint(1, 64, dims, dtype=u8, device=device, generator=rng)
     wb = torch.rand(rows, heads, device=device, generator=rng)
     timed, samplers = [r for r in routes if r is not None], []
+    original = functools.partial(router.original, compress_ratio=compress_ratio)
     for context in contexts:
         pages = -(-context // block_size)
         tables = torch.arange(bucket * pages, device=device, dtype=torch.int32).remainder_(kv.shape[0])
         ends = torch.arange(1 - next_n, 1, dtype=torch.int32, device=device).add_(context).repeat(bucket, 1)
         bounds = ends if lens.dim() == 2 else ends[:, -1].contiguous()
         problem = (qb.view(q.dtype), kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
+        if router.self_test:  # the self-test at this timing context, one sequence of it, before timing
+            for r in timed:
+                if why := router._self_test(r, args, compress_ratio, [context]):
+                    router._shape_failed(r.shape, f"self-test failed at context {context}: {why}")
+                    return math.nan, list(NONE)
         out = router.hooks.output_buffer(rows, max_model_len)
-        arms = [functools.partial(router.original, *problem, compress_ratio=compress_ratio)]
+        arms = [functools.partial(original, *problem)]
         arms += [
             functools.partial(router._flydsl, r.fn or router.variant.fn, r.kwargs, problem, out)
             for r in timed
@@ -308,6 +315,8 @@ def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple
             return router.failed.get(shape) or f"{NOT_MEASURED} (no FlyDSL candidate)", list(NONE)
         stock, ratios = figures(router, args, compress_ratio, bucket, tested)
         router.spent += time.perf_counter() - began
+        if shape in router.failed:  # the self-test at a timing context failed: no row, stock until restart
+            return router.failed[shape], list(NONE)
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
         line = f"measuring {name} raised {type(e).__name__}: {e}; it stays stock"
         router.logger.warning("%s %s", envs.HEAD, line)

@@ -355,18 +355,21 @@ class FlyDSLRouter:
                 self._shape_failed(route.shape, f"self-test failed: {problem}")
         return self.self_tests.get(key)
 
-    def _self_test(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
-        """FlyDSL itself on a small synthetic problem of this shape, against stock: ``None`` if they agree.
-        It launches SplitKV 1 and the largest SplitKV any live launch of this shape reaches, clamped to the
-        problem's pages, where SplitKV is passed; else the live launch's knobs (under aiter's dispatcher,
-        its FlyDSL row for this live call, forced: its table may pick Gluon for the small problem)."""
+    def _self_test(self, route: Route, args: tuple, compress_ratio: int, lengths=None) -> str | None:
+        """FlyDSL itself on a synthetic problem of this shape (small, else sequences of ``lengths``: the
+        measurement's timing contexts), against stock: ``None`` if they agree. It launches SplitKV 1 and
+        the largest SplitKV any live launch of this shape reaches, clamped to the problem's pages, where
+        SplitKV is passed; else the live launch's knobs (under aiter's dispatcher, its FlyDSL row for this
+        live call, forced: its table may pick Gluon for the small problem)."""
         q, kv, _, lens, _, _, max_model_len = args
-        shape, kwargs = route.shape, route.kwargs
-        problem = selftest.synthetic(*shape, kv.shape[3], per_row_bounds=lens.dim() == 2, device=q.device)
+        shape, kwargs, rows = route.shape, route.kwargs, lens.dim() == 2
+        problem = selftest.synthetic(
+            *shape, kv.shape[3], per_row_bounds=rows, device=q.device, lengths=lengths
+        )
         if "SplitKV" in kwargs:
             most = max(self.variant.split_kv_workgroups_per_cu or 0, *TUNER_WG_PER_CU)
             top = explicit_split_kv(cu_count(q.device), 1, max_model_len, shape[2], most)
-            pages = selftest.width(shape[2], shape[3])[1]
+            pages = problem[4].shape[1]
             launches = {f"at SplitKV {s}": {**kwargs, "SplitKV": s} for s in sorted({1, min(pages, top)})}
         elif self.variant.flydsl is not None:
             launches = {"forced through aiter's dispatcher": {**kwargs, "live": args}}

@@ -112,14 +112,16 @@ def synthetic(
     *,
     per_row_bounds: bool,
     device: torch.device,
+    lengths: list[int] | None = None,
 ) -> tuple:
-    """The target's positional arguments for a small problem of this shape, drawn on the CPU from a fixed
-    seed (vLLM's device RNG is left alone). ``per_row_bounds``: vLLM's ``(B, next_n)`` bounds
-    ``[b, j] = max(0, L_b - next_n + j + 1)``, else one length per sequence."""
+    """The target's positional arguments for a problem of this shape, drawn on the CPU from a fixed seed
+    (vLLM's device RNG is left alone): :func:`synthetic_lengths`'s small one, else sequences of
+    ``lengths``. ``per_row_bounds``: vLLM's ``(B, next_n)`` bounds ``[b, j] = max(0, L_b - next_n + j + 1)``,
+    else one length per sequence."""
     gen = torch.Generator().manual_seed(SEED)
-    lengths = torch.tensor(synthetic_lengths(block_size, next_n), dtype=torch.int64)
-    batch = lengths.numel()
-    max_model_len, blocks = width(block_size, next_n)
+    lengths = torch.tensor(lengths or synthetic_lengths(block_size, next_n), dtype=torch.int64)
+    batch, blocks = lengths.numel(), -(-int(lengths.max()) // block_size) + 1  # and a spare block
+    max_model_len = blocks * block_size
     pool, key_bytes = batch * blocks, block_size * head_dim
     flat = torch.zeros(pool, block_size * index_dim, dtype=torch.uint8)
     keys = torch.randn(pool, key_bytes, generator=gen).mul(64).to(torch.float8_e4m3fn)
