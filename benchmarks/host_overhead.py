@@ -165,7 +165,13 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
 
     from vllm_flydsl_indexer.router import FlyDSLRouter
     from vllm_flydsl_indexer.target import TARGET_MODULE
-    from vllm_flydsl_indexer.tools.arms import Workspace, mirror_hooks, reference_arms, stock_call
+    from vllm_flydsl_indexer.tools.arms import (
+        Workspace,
+        mirror_hooks,
+        reference_arms,
+        simulated_callers,
+        stock_call,
+    )
     from vllm_flydsl_indexer.tools.arms import reference_variant as contract_variant
     from vllm_flydsl_indexer.tools.reference import GENERAL
 
@@ -178,8 +184,9 @@ def standalone(next_n: int) -> tuple[dict[str, Callable[[], object]], str]:
 
     # A stdlib logger with the *_once methods the router calls (vLLM's logger has them).
     router = FlyDSLRouter(stock, contract_variant(GENERAL), mirror_hooks(workspace), quiet_logger())
-    for args in problems.values():
-        router.call_from(TARGET_MODULE, *args)
+    with simulated_callers():  # the defining module's caller as audited, where no vLLM is there to read
+        for args in problems.values():
+            router.call_from(TARGET_MODULE, *args)
     assert router.calls_taken == 1 and list(router.self_tests.values()) == [None], router.self_tests
     kernels["gluon"] = _noop
     router.variant = dataclasses.replace(router.variant, fn=_noop)

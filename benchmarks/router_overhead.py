@@ -32,7 +32,7 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
     import torch
 
     from vllm_flydsl_indexer.router import FlyDSLRouter
-    from vllm_flydsl_indexer.tools.arms import reference_arms, reference_variant
+    from vllm_flydsl_indexer.tools.arms import reference_arms, reference_variant, simulated_callers
     from vllm_flydsl_indexer.tools.reference import GENERAL, make_paged_problem
 
     def problem(head_dim: int):
@@ -93,8 +93,9 @@ def ns_per_call(next_n: int, rounds: int, calls: int) -> dict[str, float]:
         is_capturing=lambda: False,
     )
     # Warm-up on the reference contracts: the self-test passes and the taken route is ready.
-    router.call_from(CALLER, *taken, compress_ratio=1)
-    router.call_from(CALLER, *bound, compress_ratio=1)
+    with simulated_callers():  # next_n 2: the caller as audited, where no vLLM is there to read
+        router.call_from(CALLER, *taken, compress_ratio=1)
+        router.call_from(CALLER, *bound, compress_ratio=1)
     if router.calls_taken != 1 or list(router.self_tests.values()) != [None]:
         raise SystemExit(f"router_overhead: warm-up did not take the route ({router.self_tests})")
 
