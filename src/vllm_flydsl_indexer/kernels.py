@@ -24,7 +24,7 @@ from types import ModuleType
 
 import torch
 
-from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES
+from vllm_flydsl_indexer.target import I32_OFFSET_LIMIT, SCALE_BYTES, parameters_of
 
 BLOCK_OUTER_NOTE = (
     "FlyDSL needs a layer-contiguous indexer cache (vLLM's default LBNHC, or LBHNC). A block-outer KV cache "
@@ -232,10 +232,8 @@ def _q_rows_contract(fn: Callable) -> str | None:
 
 def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> KernelVariant | str:
     """The variant of a ``flydsl_fp8_paged_mqa_logits`` found at ``location``, or why it is not usable."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError) as e:
-        return f"signature unreadable ({e})"
+    if isinstance(params := parameters_of(fn), str):
+        return params
     keyword_only = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     missing = [n for n in ("Preshuffle", "KVBlockSize") if n not in keyword_only]
     if missing:
@@ -275,10 +273,8 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
 def identify_entry(fn: Callable, module: ModuleType, location: str) -> KernelVariant | str:
     """aiter's ``_gfx950`` entry (keyword-only KVBlockSize and SplitKV, no Preshuffle or next_n_lens; heads
     from ``SUPPORTED_HEADS`` or ``NUM_HEADS``, next_n up to ``NEXT_N_MAX``), or why ``fn`` is not it."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError) as e:
-        return f"signature unreadable ({e})"
+    if isinstance(params := parameters_of(fn), str):
+        return params
     keyword_only = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     if not {"KVBlockSize", "SplitKV"} <= keyword_only or {"Preshuffle", "next_n_lens"} & set(params):
         return "not the _gfx950 entry's signature"
@@ -300,10 +296,8 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
     fn, config, run, supports = (getattr(module, name, None) for name in names)
     if not callable(fn) or not callable(config):
         return "no paged_mqa_logits with get_paged_mqa_logits_config (not aiter's tuned dispatcher)"
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError) as e:
-        return f"signature unreadable ({e})"
+    if isinstance(params := parameters_of(fn), str):
+        return params
     if "Preshuffle" not in params or "KVBlockSize" not in params:
         return "paged_mqa_logits lacks Preshuffle/KVBlockSize"
     if not callable(run):

@@ -17,7 +17,7 @@ import importlib
 import inspect
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -49,17 +49,23 @@ AUDITED = {
 }
 
 
+def parameters_of(fn: object) -> Mapping[str, inspect.Parameter] | str:
+    """``fn``'s parameters by name, or why its signature is unreadable."""
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError) as e:
+        return f"signature unreadable ({e})"
+
+
 def signature_problem(fn: object) -> str | None:
     """Why ``fn`` does not have the target signature, or ``None``."""
     if not callable(fn):
         return f"{TARGET_NAME} is missing"
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError) as e:
-        return f"signature unreadable ({e})"
+    if isinstance(params := parameters_of(fn), str):
+        return params
     kinds = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
-    positional = tuple(p.name for p in params if p.kind is kinds[0])
-    keyword_only = {p.name: p.default for p in params if p.kind is kinds[1]}
+    positional = tuple(p.name for p in params.values() if p.kind is kinds[0])
+    keyword_only = {p.name: p.default for p in params.values() if p.kind is kinds[1]}
     if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or len(params) != 8:
         return f"signature {inspect.signature(fn)} differs from the one this package supports"
     return None
