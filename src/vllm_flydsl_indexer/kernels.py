@@ -112,7 +112,7 @@ class KernelVariant:
             return f"next_n={next_n} is above this kernel's maximum {self.max_next_n}"
         return None
 
-    def violation(self, q_fp8, kv_cache, weights, context_lens, block_tables) -> str | None:
+    def violation(self, q_fp8, kv_cache, weights, lens, tables) -> str | None:
         """Why this API cannot take the call exactly, or ``None`` (the cache's contiguity is a rule of its
         own, part of the router's memo key)."""
         if q_fp8.dim() != 4:
@@ -132,7 +132,6 @@ class KernelVariant:
             return f"weights ({weights.dtype}, {weights.dim()}-D) are not float32 (B*next_n, {heads})"
         if not weights.is_contiguous():  # aiter's gfx950 wrapper asserts it, its dispatcher requires it
             return "weights are not contiguous"
-        lens, tables = context_lens, block_tables
         if lens.dtype != torch.int32 or lens.dim() not in (1, 2) or len(lens) != batch:
             return f"context_lens ({lens.dtype}, {lens.dim()}-D) are not int32 with B rows"
         if tables.dtype != torch.int32 or tables.dim() != 2 or len(tables) != batch:
@@ -320,8 +319,7 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
     def forced(q, kv, weights, out, lens, tables, max_model_len: int, *, Preshuffle, KVBlockSize, live):
         """The dispatcher made to launch FlyDSL on this problem with its row for the ``live`` call's
         arguments (FlyDSL, as ``objection`` passed it), whatever its table says for this one."""
-        batch, next_n, heads, head_dim = live[0].shape
-        row = config(batch, next_n, heads, head_dim, KVBlockSize, Preshuffle)
+        row = config(*live[0].shape, KVBlockSize, Preshuffle)
         if row.get("backend") != "flydsl":
             raise ValueError(f"aiter's dispatcher row for the live call is {row}, not FlyDSL")
         return run(dict(row), q, kv, weights, out, lens, tables, max_model_len, Preshuffle, KVBlockSize)
