@@ -154,9 +154,8 @@ def sources(env_value: str | None, variant: str | None) -> list[tuple[str | None
 def load(variant: str | None, gfx: str, logger: logging.Logger) -> tuple[TunedTable | None, str]:
     """The first usable table for ``variant`` on ``gfx`` and the label the ACTIVE line gives it; one
     WARNING per source that cannot be used and per file with rows skipped. Never raises."""
-    for path, origin, label in sources(os.environ.get(TUNED_CSV), variant):
-        if path is None:
-            return None, label
+    *files, (_, _, no_table) = sources(os.environ.get(TUNED_CSV), variant)  # the last: no path
+    for path, origin, label in files:
         table = read(path, gfx, origin)
         if isinstance(table, str):
             logger.warning("%s %s; trying the next source", TABLE_IGNORED_LINE, table)
@@ -165,4 +164,4 @@ def load(variant: str | None, gfx: str, logger: logging.Logger) -> tuple[TunedTa
             line = f"{table.skipped} row(s) of {path} skipped: the lookup cannot use them ({DOCTOR_HINT})"
             logger.warning("%s %s", HEAD, line)
         return table, label
-    return None, "no table"
+    return None, no_table
