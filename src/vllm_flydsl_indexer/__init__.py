@@ -29,8 +29,7 @@ def _register_environment_variables() -> None:
     if not isinstance(table, dict):
         return
     names = [name for name in envs.ALL_VARIABLES if name in os.environ and name not in table]
-    for name in names:
-        table[name] = envs.getter(name)
+    table.update({name: envs.getter(name) for name in names})
     factors = getattr(vllm_envs, "compile_factors", None)
     if not names or not callable(factors) or getattr(factors, envs.OWN_GETTER, False):
         return
