@@ -184,7 +184,13 @@ class FlyDSLRouter:
         ``max_model_len``, ``compress_ratio``, the caller) and looks it up; a stock verdict reads nothing
         more. A FlyDSL verdict reads the call's facts too (the dtypes, the weights' and block tables' shapes,
         q's and the weights' contiguity, q's device) and is launched only while they are the ones it was
-        decided on. The DCP size is read when a key is decided, never on a warm call."""
+        decided on. The DCP size is read when a key is decided, never on a warm call.
+
+        A call site no batch can take to FlyDSL (its layout, heads or C4A: a verdict on every key) costs
+        stock's own time plus the wrapper's frame read, this key and one lookup: the floor of a per-call
+        memo. The key's three ``.shape`` reads each build a ``torch.Size``; no cheaper object tells the
+        shapes apart (vLLM's caller passes a new cache view every call: see
+        ``benchmarks/results/2026-12-07-issue51-cpu``)."""
         key = None
         try:
             key = (
