@@ -721,3 +721,22 @@ def test_flydsl_wrong_only_at_the_timing_context_fails_its_shape_before_it_is_ti
     launches = kernel.launches
     later = problem(1, 92, lens=(310, 9), max_model_len=320)
     assert agree(target, later, run(router, target, later)) and kernel.launches == launches
+
+
+def test_the_timing_contexts_self_test_runs_once_per_shape_and_context(
+    make_router, target, tmp_path, monkeypatch
+):
+    """Two buckets of one shape, measured at the same context (the live ``max_model_len``): the small
+    self-test once, the one at the timing context once, and both calls get stock's answer or FlyDSL's
+    agreeing with it."""
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    router = make_router(Kernel(), tune=True, gfx="gfx950")
+    ran, self_test = [], router._self_test
+    router._self_test = lambda route, args, ratio, lengths=None: (
+        ran.append(lengths) or self_test(route, args, ratio, lengths)
+    )
+    for seed, lens in ((93, (300,)), (94, (300, 41, 7))):  # buckets 1 and 2
+        p = problem(1, seed, lens=lens, max_model_len=320)
+        assert agree(target, p, run(router, target, p))
+    assert ran == [None, [320]] and not router.failed
+    assert list(router.self_tests.values()) == [None, None]

@@ -15,8 +15,8 @@
   the median round, which with an odd count holds the margin only where most rounds do. The self-test
   covers the timing contexts before they are timed: its small problem (``selftest.MAX_BYTES``) proves
   SplitKV's extremes and block edges; then the same self-test runs each candidate on one synthetic
-  sequence at each context (about 132 bytes a token: 4.3 MB at 32k), with the same launches; a
-  disagreement fails the shape as the self-test does, and leaves no row.
+  sequence at each context (about 132 bytes a token: 4.3 MB at 32k), with the same launches, once per
+  shape, kernel and context; a disagreement fails the shape as the self-test does, and leaves no row.
 * **One unit:** what a rank brings to the TP group's agreement (the router's ``_agree``: one MAX, every
   rank, once per call signature) is each candidate's time over stock's, ``inf`` for none; a cached row
   brings its recorded ratio, a table's FlyDSL pick ``1 / MARGIN``. The slowest rank counts, so a cache
@@ -251,11 +251,8 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
         ends = torch.arange(1 - next_n, 1, dtype=torch.int32, device=device).add_(context).repeat(bucket, 1)
         bounds = ends if lens.dim() == 2 else ends[:, -1].contiguous()
         problem = (qb.view(q.dtype), kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
-        if router.self_test:  # the self-test at this timing context, one sequence of it, before timing
-            for r in timed:
-                if why := router._self_test(r, args, compress_ratio, [context]):
-                    router._shape_failed(r.shape, f"self-test failed at context {context}: {why}")
-                    return math.nan, list(NONE)
+        if any(router._tested(r, args, compress_ratio, context) for r in timed):  # before it is timed
+            return math.nan, list(NONE)  # a failed self-test at this context: the shape stays stock
         out = router.hooks.output_buffer(rows, max_model_len)
         arms = [functools.partial(original, *problem)]
         arms += [

@@ -352,13 +352,16 @@ class FlyDSLRouter:
             return None
         return self._launch(route, args)
 
-    def _tested(self, route: Route, args: tuple, compress_ratio: int) -> str | None:
-        """The self-test, once per shape, bounds and kernel: ``None`` if passed or off (failed: stock)."""
-        key = (route.shape, route.bounds, route.fn)
+    def _tested(self, route: Route, args: tuple, compress_ratio: int, context: int = 0) -> str | None:
+        """The self-test, once per shape, bounds and kernel, and once per timing context the measurement
+        meets (``context``: on one sequence that long): ``None`` if passed or off (failed: stock)."""
+        key = (route.shape, route.bounds, route.fn, *([context] if context else []))
         if self.self_test and key not in self.self_tests:
-            self.self_tests[key] = problem = self._self_test(route, args, compress_ratio)
+            lengths = [context] if context else None
+            self.self_tests[key] = problem = self._self_test(route, args, compress_ratio, lengths)
             if problem is not None:
-                self._shape_failed(route.shape, f"self-test failed: {problem}")
+                at = f" at context {context}" if context else ""
+                self._shape_failed(route.shape, f"self-test failed{at}: {problem}")
         return self.self_tests.get(key)
 
     def _self_test(self, route: Route, args: tuple, compress_ratio: int, lengths=None) -> str | None:
