@@ -178,8 +178,8 @@ MUTATIONS = {
         "self-test, FlyDSL wrong",
     ),
     "self-test result ignored": (
-        "            if problem is not None:\n                self._shape_failed(",
-        "            if False:\n                self._shape_failed(",
+        "            if problem is not None:\n                at = ",
+        "            if False:\n                at = ",
         "self-test, FlyDSL reverses a sequence's rows",
     ),
     "self-test disagreement ignored": (
