@@ -312,7 +312,8 @@ def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple
             return router.failed.get(shape) or f"{NOT_MEASURED} (no FlyDSL candidate)", list(NONE)
         stock, ratios = figures(router, args, compress_ratio, bucket, tested)
         router.spent += time.perf_counter() - began
-        if shape in router.failed:  # the self-test at a timing context failed: no row, stock until restart
+        if shape in router.failed:  # a self-test failed (at a timing context, or the general kernel's while
+            # the entry was timed): no row and no ratio, so the group keeps stock as this rank does
             return router.failed[shape], list(NONE)
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
         line = f"measuring {name} raised {type(e).__name__}: {e}; it stays stock"

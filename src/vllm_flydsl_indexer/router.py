@@ -355,16 +355,16 @@ class FlyDSLRouter:
     def _tested(self, route: Route, args: tuple, compress_ratio: int, context: int = 0) -> str | None:
         """The self-test, once per shape, bounds and kernel, and once per timing context the measurement
         meets (``context``: on one sequence that long): ``None`` if passed or off (failed: stock)."""
-        key = (route.shape, route.bounds, route.fn, *([context] if context else []))
+        lengths = [context] if context else []  # none: the small problem
+        key = (route.shape, route.bounds, route.fn, *lengths)
         if self.self_test and key not in self.self_tests:
-            lengths = [context] if context else None
             self.self_tests[key] = problem = self._self_test(route, args, compress_ratio, lengths)
             if problem is not None:
                 at = f" at context {context}" if context else ""
                 self._shape_failed(route.shape, f"self-test failed{at}: {problem}")
         return self.self_tests.get(key)
 
-    def _self_test(self, route: Route, args: tuple, compress_ratio: int, lengths=None) -> str | None:
+    def _self_test(self, route: Route, args: tuple, compress_ratio: int, lengths=()) -> str | None:
         """FlyDSL itself on a synthetic problem of this shape (small, else sequences of ``lengths``: the
         measurement's timing contexts), against stock: ``None`` if they agree. It launches SplitKV 1 and
         the largest SplitKV any live launch of this shape reaches, clamped to the problem's pages, where

@@ -112,7 +112,7 @@ def synthetic(
     *,
     per_row_bounds: bool,
     device: torch.device,
-    lengths: list[int] | None = None,
+    lengths: list[int] | tuple = (),
 ) -> tuple:
     """The target's positional arguments for a problem of this shape, drawn on the CPU from a fixed seed
     (vLLM's device RNG is left alone): :func:`synthetic_lengths`'s small one, else sequences of
