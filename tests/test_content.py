@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import logging
+import random
 import shutil
 import subprocess
 import sys
@@ -482,6 +483,20 @@ def test_the_hooks_read_no_vllm_module_attribute_per_call(target, workspace, mon
     assert hooks.per_sequence_lens(torch.tensor([[3, 4], [5, 6]])).tolist() == [4, 6]
     assert hooks.output_buffer(2, 8).shape == (2, 8)
     assert hooks.preshuffle(64) is True and hooks.dcp_world_size() == 1
+
+
+def test_the_largest_decode_batch_is_vllms_max_num_seqs_as_its_workspace_bound_reads_it(target):
+    """vLLM sizes the logits workspace for ``max_num_seqs`` decode sequences (``_max_decode_logits_rows``,
+    read from the current config at run time): the measurement's sweep stops there; no config, none."""
+    from types import SimpleNamespace
+
+    from vllm.config import set_current_vllm_config
+
+    hooks, seqs = content.vllm_stock_hooks(target, "size"), random.randint(3, 900)
+    assert hooks.max_batch() == 0
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=seqs))
+    with set_current_vllm_config(config):
+        assert hooks.max_batch() == seqs
 
 
 def test_the_hooks_ask_what_the_original_asks(target, monkeypatch):

@@ -118,8 +118,10 @@ def test_the_tools_mark_their_public_names_and_the_runtime_does_not():
 # (DCP read at decision, the buffer's rows memoised, the facts read inline, a shorter failure path) left
 # 1,583; a first memo level keyed on the cache alone measured no gain and went. The self-test at the
 # measurement's timing contexts (+8) and the signature read in one place (-7: target.parameters_of) left
-# 1,590. The pin is where issue 49 left it, 100 over its ask: the next cut is a concept (issue 49's
-# closing notes name them), not a squeeze. 10 modules, 7 classes.
+# 1,590. Issue 49 item 4 (a shape's first measurement decides every bucket up to max_num_seqs: the
+# max_batch hook, measure.local's sweep, +10 net) left 1,600. The pin is where issue 49 left it, 100 over
+# its ask: the next cut is a concept (issue 49's closing notes name them), not a squeeze. 10 modules,
+# 7 classes.
 ISSUE_49_ASK = {"modules": 10, "code_lines": 1500, "classes": 8}
 MAX_PLUGIN_CODE_LINES = 1600
 MAX_PLUGIN_CLASSES = 7

@@ -339,6 +339,40 @@ def test_the_process_budget_accumulates_and_leaves_later_buckets_on_stock(cache_
     assert stock.calls == calls + 1 and router.calls_delegated == 1  # the next: stock's live call only
 
 
+def test_the_first_call_decides_every_bucket_up_to_the_largest_decode_batch(cache_root):
+    """Issue 49 item 4: a shape's first call (vLLM's warm-up decode step) measures every bucket this
+    process can serve, so later batches of any bucket are decided without timing in a served step."""
+    largest = random.choice((5, 8, 13))  # buckets 1, 2, 4 and 8 whatever the odd bound
+    stock, flydsl = Arm(SLOW), Arm(FAST)
+    router = make(stock, flydsl, hooks_=dataclasses.replace(hooks(), max_batch=lambda: largest))
+    router(*batch(3))
+    assert router.calls_taken == 1
+    assert sorted(int(r["batch_size"]) for r in rows()) == [1, 2, 4, 8]
+    assert all(r["backend"] == "flydsl" for r in rows())
+    measured, spent = stock.calls, router.spent
+    for n in (1, 6, 8, 7, 1):
+        router(*batch(n))
+    assert stock.calls == measured and router.spent == spent and router.calls_taken == 6  # none timed
+
+
+def test_the_sweep_runs_once_per_shape_and_context_and_within_the_budget(cache_root, monkeypatch, plugin_log):
+    """A bucket whose measurement raised is not measured again at every later first call; a new context is
+    swept again; the process budget bounds the sweep as it bounds a single bucket."""
+    monkeypatch.setattr(measure, "MAX_EXTRA_BYTES", 3 * 64 * 132 + 2 * 4 * 4)  # buckets 4 and 8 too large
+    router = make(Arm(SLOW), Arm(FAST), hooks_=dataclasses.replace(hooks(), max_batch=lambda: 8))
+    raised = lambda: sum("raised MemoryError" in w for w in warnings_of(plugin_log))  # noqa: E731
+    router(*batch(2))
+    assert raised() == 2 and sorted(int(r["batch_size"]) for r in rows()) == [1, 2]
+    router(*batch(1)), router(*batch(3))
+    assert raised() == 2 and router.calls_taken == 3
+    router(*batch(2, max_model_len=192))
+    assert raised() == 4 and sorted(r["context_len"] for r in rows()) == ["192", "192", "256", "256"]
+    monkeypatch.setattr(measure, "PROCESS_BUDGET_S", 1e-6)
+    router = make(Arm(SLOW), Arm(FAST), hooks_=dataclasses.replace(hooks(), max_batch=lambda: 2))
+    router(*batch(1, max_model_len=128))
+    assert [r["batch_size"] for r in rows() if r["context_len"] == "128"] == ["1"]  # the live bucket only
+
+
 def test_the_measurement_draws_no_global_random_numbers(cache_root):
     args = batch(2)
     state = torch.get_rng_state()

@@ -2,8 +2,11 @@
 """Never FlyDSL blind: a bucket no table covers is timed on this GPU, as serving runs it, and cached.
 
 * **When:** at a bucket's first eager call before vLLM serves (a tuned-CSV row's key, the batch's power-of-two
-  floor). A bucket first seen in graph capture stays stock, unmemoised; one first seen once vLLM serves
-  (its workspace locked after capture) stays stock with one INFO line naming ``tune --model``.
+  floor). A shape's first such call (per context) measures every other bucket up to the largest decode
+  batch too (vLLM's ``max_num_seqs``, the bound of its logits workspace), within the budget: vLLM's
+  warm-up decode step (Model Runner V2's ``warmup_kernels``, before capture) leaves serving decided. A
+  bucket first seen in graph capture stays stock, unmemoised; one first seen once vLLM serves (its
+  workspace locked after capture) stays stock with one INFO line naming ``tune --model``.
 * **What is timed** (:func:`figures`): stock and each FlyDSL route (self-tested first) on one problem,
   ``bucket`` sequences at AMD's tuner contexts clamped to ``max_model_len`` over the live cache's pages, q
   and weights from a private generator, logits in vLLM's workspace. On a GPU each candidate, after its
@@ -276,18 +279,29 @@ def settle(ratios: list[float]) -> str | None:
     return BACKENDS[best] if ratios[best] * MARGIN <= 1 + 1e-9 else None
 
 
-def local(router, args: tuple, compress_ratio: int, routes: list) -> tuple[tuple | str, list[float]]:
+def local(router, args: tuple, compress_ratio: int, routes_for) -> tuple[tuple | str, list[float]]:
     """This rank's verdict on a bucket no table covers, from this node's cache or a measurement, and the
-    ratios it brings to the agreement. Never raises and never a collective. ``routes``: the general FlyDSL
-    launch and the ``_gfx950`` entry's (``None`` where it does not apply)."""
-    q, kv, max_model_len = args[0], args[1], args[6]
-    batch, next_n, heads, head_dim = q.shape
-    bucket, shape, cus = bucket_of(batch), (heads, head_dim, kv.shape[1], next_n), cu_count(q.device)
-    at = ((cus, next_n, heads, head_dim, kv.shape[1]), bucket, contexts_of(max_model_len))
+    ratios it brings to the agreement. Never raises and never a collective. ``routes_for(bucket)``: the
+    general FlyDSL launch and the ``_gfx950`` entry's (``None`` where it does not apply). A shape's first
+    call here (per context) decides every other bucket up to the largest decode batch too (its rows kept
+    for their own first calls), so a warm-up call leaves serving decided, within the budget."""
+    (batch, next_n, heads, head_dim), kv = args[0].shape, args[1]
+    key, contexts = (cu_count(args[0].device), next_n, heads, head_dim, kv.shape[1]), contexts_of(args[6])
+    buckets = [bucket_of(batch)]
+    if (key, contexts) not in router.swept:  # the first call: every bucket this process can serve
+        router.swept.add((key, contexts))
+        buckets += [1 << i for i in range(router.hooks.max_batch().bit_length()) if 1 << i != buckets[0]]
+    return [_bucket(router, args, compress_ratio, routes_for(b), (key, b, contexts)) for b in buckets][0]
+
+
+def _bucket(router, args: tuple, compress_ratio: int, routes: list, at: tuple) -> tuple:
+    """:func:`local` for the bucket ``at``: ``(shape key, bucket, contexts)``."""
+    (cus, next_n, heads, head_dim, block), bucket, device = at[0], at[1], args[0].device
+    shape = (heads, head_dim, block, next_n)
     rank0, name = router.hooks.tp_group()[1] == 0, f"{describe(shape)} batch {bucket}"
     try:
         if router.node is None:  # (path or None: not cached, key, rows by bucket, what is wrong with it)
-            stack = cache_key(q.device, router.gfx, cus)
+            stack = cache_key(device, router.gfx, cus)
             path = cache_path(router.gfx, cus, stack) if stack else None
             router.node = (path, stack, *(load_cache(path, stack, router.gfx, cus) if path else ({}, [])))
             if router.node[3] and rank0:

@@ -164,6 +164,7 @@ class FlyDSLRouter:
         # Shapes no table covers: None, FlyDSL (no table at all); True, measured (measure.py); False, this
         # node's cache, else stock.
         self.tune, self.gfx, self.node, self.spent, self.gave_up = tune, gfx, None, 0.0, None
+        self.swept: set[tuple] = set()  # (shape key, contexts) whose every bucket was decided (measure.local)
         self.verdicts: dict[tuple, tuple | str | None] = {}  # call signature -> agreed pick or reason
         self.failed: dict[tuple, str] = {}  # shapes whose self-test, launch or routing failed
         self.self_tests: dict[tuple, str | None] = {}
@@ -255,10 +256,10 @@ class FlyDSLRouter:
         elif self.tune is not None:
             if capturing:
                 return measure.IN_CAPTURE, measure.NONE
-            entry, bucket = self.variant.entry, measure.bucket_of(batch)
+            entry = self.variant.entry
             fits = entry is not None and entry.violation(q, kv, w, lens, bt) is None
             bounds, block = "(B, next_n)" if lens.dim() == 2 else "(B,)", kv.shape[1]
-            routes = [
+            routes = lambda bucket: [  # noqa: E731 - each bucket's launches (SplitKV follows the batch)
                 Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, block, max_model_len, cus),
                       bounds=bounds, fn=fn) if ok else None
                 for kernel, fn, ok in ((self.variant, None, True), (entry, entry and entry.fn, fits))

@@ -151,6 +151,7 @@ class StockHooks:
     preshuffle: Callable[[int], bool]  # (block_size): the ``Preshuffle`` the original passes
     tp_group: Callable[[], tuple[object, int]] = lambda: (None, 0)  # TP CPU group (None alone), rank
     serving: Callable[[], bool] = lambda: False  # vLLM serves: its workspace is locked after capture
+    max_batch: Callable[[], int] = lambda: 0  # the largest decode batch, vLLM's max_num_seqs (0: unknown)
 
 
 def _resolve(owner: object, name: str, flag: bool = False):
@@ -166,6 +167,7 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
     """Hooks that answer as the target (its ``Preshuffle`` by ``form``, an :data:`AUDITED` form), every
     vLLM name resolved now (``aiter_ops``: a stand-in for ``rocm_aiter_ops``); ``LookupError`` if missing."""
     import torch
+    from vllm import config
     from vllm._aiter_ops import rocm_aiter_ops
     from vllm.distributed import parallel_state
 
@@ -180,6 +182,7 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
     dcp = _resolve(parallel_state, "get_dcp_world_size_and_rank")
     tp = _resolve(parallel_state, "get_tp_group")
     tp_ready = _resolve(parallel_state, "model_parallel_is_initialized")
+    vllm_config = _resolve(config, "get_current_vllm_config_or_none")
 
     def tp_group() -> tuple[object, int]:
         group = tp() if tp_ready() else None  # not initialised: a process alone
@@ -210,7 +213,11 @@ def vllm_stock_hooks(target: ModuleType, form: str, aiter_ops: object = None) ->
     def serving() -> bool:  # vLLM locks its workspace once warm-up and capture are done
         return bool(getattr(workspace(), "is_locked", lambda: False)())
 
-    return StockHooks(gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle, tp_group, serving)
+    def max_batch() -> int:  # as vLLM bounds its decode logits workspace (``_max_decode_logits_rows``)
+        return getattr(getattr(vllm_config(), "scheduler_config", None), "max_num_seqs", 0) or 0
+
+    hooks = (gluon_objection, output_buffer, lens, lambda: dcp()[0], preshuffle, tp_group, serving, max_batch)
+    return StockHooks(*hooks)
 
 
 # Every audited call site: ``None`` where FlyDSL may take ``next_n > 1`` from it (with
