@@ -9,6 +9,7 @@ Needs no vLLM.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -189,3 +190,30 @@ def test_a_bucket_first_seen_in_capture_stays_stock_until_an_eager_call_measures
     torch.cuda.synchronize()
     router(*args)
     assert router.spent > 0 and router.calls_taken == 1 and flydsl.calls > measure.ROUNDS
+
+
+def test_the_first_call_times_every_bucket_up_to_the_largest_batch_by_graph_replay(cycles_per_us):
+    """Issue 49 item 4 on a GPU: the warm-up call at batch 4 times buckets 1 to 64 (each captured and
+    replayed); later batches of any of them are decided from those rows, with nothing timed again."""
+    stock, flydsl = Arm(5, 40, cycles_per_us), Arm(5, 5, cycles_per_us)
+    buffer = torch.full((64, MML), float("nan"), device="cuda")
+    swept = dataclasses.replace(hooks(buffer), max_batch=lambda: 64)
+    router = FlyDSLRouter(stock, general_variant(flydsl), swept, LOGGER, self_test=False, tune=True)
+
+    def call(batch: int):
+        p = make_paged_problem(
+            [300 + 97 * i for i in range(batch)], next_n=1, heads=64, head_dim=128, block_size=64,
+            preshuffle=True, max_model_len=MML, device="cuda",
+        )  # fmt: skip
+        router(p.q_fp8, p.kv_cache, p.weights, p.context_lens, p.block_tables, None, MML)
+
+    began = time.perf_counter()
+    call(4)
+    sweep_s, spent = time.perf_counter() - began, router.spent
+    assert sorted(bucket for _, bucket, _ in router.node[2]) == [1, 2, 4, 8, 16, 32, 64]
+    assert {row["backend"] for row in router.node[2].values()} == {"flydsl"}
+    calls = flydsl.calls
+    for batch in (1, 3, 16, 50, 64):
+        call(batch)
+    assert router.spent == spent and flydsl.calls == calls + 5 and router.calls_taken == 6
+    _record("sweep", [{"buckets": 7, "sweep_s": round(sweep_s, 3), "spent_s": round(spent, 3)}])
