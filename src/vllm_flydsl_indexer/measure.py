@@ -322,12 +322,12 @@ def _bucket(router, args: tuple, compress_ratio: int, routes: list, at: tuple) -
             return why, list(NONE)
         began = time.perf_counter()
         tested = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
-        if not any(tested):  # nothing to time: no row, and a restart tests again
+        if shape in router.failed or not any(tested):  # a failed kernel fails the shape: nothing timed
             return router.failed.get(shape) or f"{NOT_MEASURED} (no FlyDSL candidate)", list(NONE)
         stock, ratios = figures(router, args, compress_ratio, bucket, tested)
         router.spent += time.perf_counter() - began
-        if shape in router.failed:  # a self-test failed (at a timing context, or the general kernel's while
-            # the entry was timed): no row and no ratio, so the group keeps stock as this rank does
+        if shape in router.failed:  # a self-test failed at a timing context: no row and no ratio, so the
+            # group keeps stock as this rank does
             return router.failed[shape], list(NONE)
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
         line = f"measuring {name} raised {type(e).__name__}: {e}; it stays stock"
