@@ -161,9 +161,11 @@ MUTATIONS = {
         "row = next((r for k, r in router.node[2].items() if k[:2] == at[:2]), None)",
         "measured: cached rows at their own context only",
     ),
+    # Both guards before the timing go (the failed route kept, and the failed shape's early return): one
+    # alone is now a no-op, since either keeps a failed kernel from being timed.
     "a candidate that failed its self-test timed and cached": (
-        "if r and router._tested(r, args, compress_ratio) is None else None",
-        "if r and router._tested(r, args, compress_ratio) is not False else None",
+        "is None else None for r in routes]\n        if shape in router.failed or not any(tested):",
+        "is not False else None for r in routes]\n        if not any(tested):",
         "measured: a failed self-test is not cached",
     ),
     "VLLM_FLYDSL_INDEXER_TUNE=0 ignored": (
