@@ -152,8 +152,8 @@ MUTATIONS = {
     ),
     # issue 49: this node's measurement (tools/behaviour.py's "measured" cases).
     "measured verdict inverted": (
-        "if ratios[best] * MARGIN <= 1 + 1e-9 else None",
-        "if ratios[best] * MARGIN > 1 + 1e-9 else None",
+        "return ratio * MARGIN <= 1 + 1e-9",
+        "return ratio * MARGIN > 1 + 1e-9",
         "measured: FlyDSL faster than stock",
     ),
     "cached row used at another context": (
@@ -161,11 +161,17 @@ MUTATIONS = {
         "row = next((r for k, r in router.node[2].items() if k[:2] == at[:2]), None)",
         "measured: cached rows at their own context only",
     ),
-    # Both guards before the timing go (the failed route kept, and the failed shape's early return): one
-    # alone is now a no-op, since either keeps a failed kernel from being timed.
-    "a candidate that failed its self-test timed and cached": (
-        "is None else None for r in routes]\n        if shape in router.failed or not any(tested):",
-        "is not False else None for r in routes]\n        if not any(tested):",
+    # Both guards go (the timing past a failed self-test, and the failed shape's return after it): the
+    # second alone would still time the failed kernel, the first alone would cache nothing.
+    "a kernel that failed its self-test timed and cached": (
+        "compress_ratio) is None:  # a failed kernel is never timed\n"
+        "            stock, ratio = figures(router, args, compress_ratio, bucket, route)\n"
+        "            router.spent += time.perf_counter() - began\n"
+        "        if shape in router.failed:",
+        "compress_ratio) is None or True:\n"
+        "            stock, ratio = figures(router, args, compress_ratio, bucket, route)\n"
+        "            router.spent += time.perf_counter() - began\n"
+        "        if False:",
         "measured: a failed self-test is not cached",
     ),
     "VLLM_FLYDSL_INDEXER_TUNE=0 ignored": (

@@ -236,21 +236,19 @@ def test_explicit_split_kv_follows_aiters_dispatcher_rule():
 def test_split_kv_rounds_up_in_every_launch_that_passes_it(aiter_as):
     """Both ceilings of the rule round up, as aiter's own automatic SplitKV does: the workgroups per
     sequence (``ceil(cu * wg / batch)``) and the pages (``ceil(max_model_len / KVB)``), for the gfx950
-    kernel (3 per CU, or a tuned row's) and the ``_gfx950`` entry (8 per CU), over fresh random shapes."""
+    kernel (3 per CU, or a tuned row's), over fresh random shapes."""
     import math
     import random
 
-    aiter_as(flydsl="general+entry")
-    general, _ = identification.find_kernel()
     gfx950 = identify(gfx950_module().flydsl_fp8_paged_mqa_logits, gfx950_module())
-    assert general.entry.name == "gfx950-entry" and gfx950.name == "gfx950"
+    assert gfx950.name == "gfx950"
     seed = random.randrange(2**32)
     rng = random.Random(seed)
     uneven = 0
     for _ in range(200):
         cus, batch, block = rng.randint(1, 320), rng.randint(1, 600), rng.choice((16, 64, 128))
         max_model_len, wg = rng.randint(1, 200_000), rng.randint(1, 4)
-        for variant, per_cu in ((gfx950, wg), (gfx950, 0), (general.entry, 0)):
+        for variant, per_cu in ((gfx950, wg), (gfx950, 0)):
             workgroups = per_cu or variant.split_kv_workgroups_per_cu
             wanted = max(1, min(math.ceil(max_model_len / block), math.ceil(cus * workgroups / batch)))
             kwargs = variant.launch_kwargs(batch, block, max_model_len, cus, per_cu)
@@ -258,39 +256,21 @@ def test_split_kv_rounds_up_in_every_launch_that_passes_it(aiter_as):
             assert kernels.explicit_split_kv(cus, batch, max_model_len, block, workgroups) == wanted, seed
             uneven += (cus * workgroups) % batch != 0 or max_model_len % block != 0
     assert uneven > 100, seed  # most draws round
-    # Where rounding down would differ, by name: 80 CUs x 8 / 3 sequences is 213.3; 1000 tokens are 15.6
+    # Where rounding down would differ, by name: 80 CUs x 3 / 7 sequences is 34.3; 1000 tokens are 15.6
     # pages of 64.
-    assert general.entry.launch_kwargs(3, 64, 1 << 20, 80)["SplitKV"] == 214
+    assert gfx950.launch_kwargs(7, 64, 1 << 20, 80)["SplitKV"] == 35
     assert gfx950.launch_kwargs(1, 64, 1000, 256)["SplitKV"] == 16
 
 
-def test_the_gfx950_entry_is_not_a_kernel_that_takes_preshuffle_or_next_n_lens(aiter_as):
-    """aiter's ``_gfx950`` entry has no ``Preshuffle`` keyword and no ``next_n_lens``: its launch passes no
-    Preshuffle and one bound per sequence. A function of that name with either (in a module with the
-    entry's constants) is another API, never taken for the entry, so find_kernel attaches none."""
+def test_aiters_gfx950_entry_beside_the_general_kernel_is_left_alone(aiter_as):
+    """Two unreleased aiter revisions export ``flydsl_fp8_paged_mqa_logits_gfx950`` (no Preshuffle keyword)
+    beside the general kernel: find_kernel identifies the general kernel and uses nothing else."""
     aiter_as(flydsl="general+entry")
-    home = importlib.import_module("aiter.ops.flydsl.kernels.mqa_logits.fp8_paged_mqa_logits_gfx950_entry")
-    entry = identification.identify_entry(home.flydsl_fp8_paged_mqa_logits_gfx950, home, "double")
-    assert entry.name == "gfx950-entry" and "Preshuffle" not in entry.launch_kwargs(2, 64, 256, 1)
-
-    def with_preshuffle(q, kv, w, out, ctx, bt, mml, *, Preshuffle=True, KVBlockSize=64, SplitKV=None):
-        return out
-
-    def with_next_n_lens(q, kv, w, out, ctx, bt, mml, *, next_n_lens=None, KVBlockSize=64, SplitKV=None):
-        return out
-
     flydsl = importlib.import_module("aiter.ops.flydsl")
-    for other in (with_preshuffle, with_next_n_lens):
-        other.__module__ = home.__name__  # the entry's constants are where it lives
-        assert identification.identify_entry(other, home, "double") == "not the _gfx950 entry's signature"
-        bind = pytest.MonkeyPatch()
-        bind.setattr(flydsl, kernels.ENTRY_NAME, other)
-        try:
-            variant, reason = identification.find_kernel()
-        finally:
-            bind.undo()
-        assert variant.name == "general" and variant.entry is None, (other.__name__, reason)
-    assert identification.find_kernel()[0].entry.fn is home.flydsl_fp8_paged_mqa_logits_gfx950
+    assert callable(flydsl.flydsl_fp8_paged_mqa_logits_gfx950)
+    variant, reason = identification.find_kernel()
+    assert variant.name == "general" and variant.fn is flydsl.flydsl_fp8_paged_mqa_logits, reason
+    assert variant.fn is not flydsl.flydsl_fp8_paged_mqa_logits_gfx950
 
 
 # ---------------------------------------------------------------- each variant through real vLLM

@@ -22,7 +22,6 @@ import torch
 
 from conftest import LOGGER, TESTS, as_args, general_variant, hooks, simulation_env
 from vllm_flydsl_indexer import measure, tuning
-from vllm_flydsl_indexer.kernels import identify_entry
 from vllm_flydsl_indexer.router import FlyDSLRouter
 
 SLOW, FAST = 0.004, 0.0005
@@ -52,10 +51,8 @@ def cache_root(tmp_path, monkeypatch):
     return tmp_path
 
 
-def make(stock, flydsl, tune=True, entry=None, hooks_=None, **kw):
+def make(stock, flydsl, tune=True, hooks_=None, **kw):
     variant = general_variant(flydsl)
-    if entry is not None:
-        variant = dataclasses.replace(variant, entry=entry)
     return FlyDSLRouter(stock, variant, hooks_ or hooks(), LOGGER, self_test=False, tune=tune, gfx=GFX, **kw)
 
 
@@ -305,13 +302,11 @@ def test_a_table_row_outranks_this_nodes_cache(cache_root, table_says, cache_say
     assert (route.reason or route.source).startswith("t.csv on gfx950"), route
 
 
-def test_the_winner_must_beat_stock_by_the_margin_and_the_faster_candidate_wins():
-    assert measure.settle([0.98, math.inf]) is None
-    assert measure.settle([1 / measure.MARGIN, math.inf]) == "flydsl"
-    assert measure.settle([0.96, math.inf]) == "flydsl"
-    assert measure.settle([0.99, 0.5]) == tuning.ENTRY
-    assert measure.settle([0.5, 0.8]) == "flydsl"  # the entry ran, but the general kernel was faster
-    assert measure.settle(measure.NONE) is None
+def test_flydsl_must_beat_stock_by_the_margin():
+    assert not measure.settle(0.98)
+    assert measure.settle(1 / measure.MARGIN)
+    assert measure.settle(0.96)
+    assert not measure.settle(1.0) and not measure.settle(math.inf)
 
 
 def test_a_round_is_the_geomean_over_contexts_and_the_verdict_the_median_round():
@@ -416,19 +411,16 @@ def test_a_cache_file_that_is_a_link_is_never_read(cache_root):
     assert not os.path.islink(path()) and rows()[0]["backend"] == "gluon"
 
 
-def test_an_untimed_candidate_leaves_no_row(cache_root, aiter_as):
-    """The general kernel fails its self-test, the entry passes: the shape has failed, so nothing is timed
-    (the entry would be wasted work) and the bucket is not cached: a restart tests the general one again."""
-    aiter_as(flydsl="general+entry")
-    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits_gfx950_entry as module
-
-    entry = identify_entry(module.flydsl_fp8_paged_mqa_logits_gfx950, module, "double")
-    router = make(Arm(SLOW), Arm(FAST), entry=entry)
+def test_a_kernel_that_fails_its_self_test_is_never_timed_and_leaves_no_row(cache_root):
+    """FlyDSL fails its self-test at the small problem: the shape has failed, so nothing is timed and the
+    bucket is not cached: a restart tests it again."""
+    router = make(Arm(SLOW), Arm(FAST))
     router.self_test = True
-    router._self_test = lambda route, *a: None if route.fn else "planted: the top-k disagrees"
-    stock = router.original
+    router._self_test = lambda route, *a: "planted: the top-k disagrees"
+    stock, flydsl = router.original, router.variant.fn
     router(*batch(2))
-    assert router.spent == 0 and stock.calls == 1 and router.failed and not path().exists()
+    assert router.spent == 0 and stock.calls == 1 and flydsl.calls == 0
+    assert router.failed and not path().exists()
 
 
 def rows_of_one():
@@ -504,33 +496,18 @@ def test_a_write_that_fails_leaves_the_old_file_whole_and_no_temporary(cache_roo
     assert path().read_bytes() == before and sorted(p.name for p in path().parent.iterdir()) == [path().name]
 
 
-def test_the_gfx950_entry_runs_only_where_the_measurement_chose_it(cache_root, aiter_as, aiter_calls):
+def test_aiters_gfx950_entry_beside_the_general_kernel_is_never_launched(cache_root, aiter_as, aiter_calls):
+    """Two unreleased aiter revisions export ``flydsl_fp8_paged_mqa_logits_gfx950`` beside the general
+    kernel; the plugin measures and launches the general kernel alone (measure.CACHE_FORMAT 3)."""
     aiter_as(flydsl="general+entry")
-    from aiter.ops.flydsl.kernels.mqa_logits import fp8_paged_mqa_logits_gfx950_entry as module
-
     from vllm_flydsl_indexer.kernels import find_kernel
 
     variant, _ = find_kernel()
-    assert variant.name == "general" and variant.entry is not None and variant.entry.name == "gfx950-entry"
-    assert variant.entry.heads == frozenset({32, 64}) and variant.entry.max_next_n == 2
-    kwargs = variant.entry.launch_kwargs(2, 64, 256, 1)
-    assert "Preshuffle" not in kwargs and kwargs["SplitKV"] == 4  # ceil(1 CU * 8 / 2), from shapes
-    entry = identify_entry(module.flydsl_fp8_paged_mqa_logits_gfx950, module, "double")
-    p = _problem([50, 60])
-    # The general kernel slow, the entry fast: the entry is measured faster and launched.
-    router = make(Arm(0.2), Arm(0.2), entry=entry)  # the entry double computes the reference
-    out = router(*as_args(p))
-    assert router.calls_taken == 1 and aiter_calls[-1][0] == "flydsl-gfx950-entry", router.verdicts
-    assert torch.isfinite(out[:, :50]).any()
-    # Made slower than stock: never launched (stock wins the measurement).
-    module.DELAY_S = SLOW
-    try:
-        aiter_calls.clear()
-        other = make(Arm(FAST), Arm(SLOW), entry=entry)
-        other(*as_args(_problem([50, 60, 70, 80])))
-        assert other.calls_taken == 0
-    finally:
-        module.DELAY_S = 0.0
+    assert variant.name == "general" and "gfx950" not in variant.fn.__module__, variant
+    router = FlyDSLRouter(Arm(0.2), variant, hooks(), LOGGER, self_test=False, tune=True, gfx=GFX)
+    out = router(*as_args(_problem([50, 60])))
+    assert router.calls_taken == 1 and torch.isfinite(out[:, :50]).any(), router.verdicts
+    assert {name for name, _ in aiter_calls} == {"flydsl"}, aiter_calls
 
 
 def test_a_problem_over_the_memory_cap_is_not_built_and_stays_stock(cache_root, monkeypatch, plugin_log):

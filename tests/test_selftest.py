@@ -443,7 +443,7 @@ def test_capture_guard_needs_both_compiled_and_self_tested(make_router, target, 
     assert agree(target, p, run(router, target, p)) and kernel.launches == 0
     # Self-tested, not compiled.
     router.compiled.clear()
-    router.self_tests[(route.shape, route.bounds, route.fn)] = None
+    router.self_tests[(route.shape, route.bounds)] = None
     assert agree(target, p, run(router, target, p)) and kernel.launches == 0
     # Both: taken inside capture.
     router.compiled.add(route.shape)

@@ -57,7 +57,7 @@ def cache_files(tmp_path: Path) -> list[Path]:
 
 def cache_rows(path: Path) -> dict[tuple, dict]:
     with open(path, newline="") as f:
-        assert f.readline().startswith("# vllm-flydsl-indexer node cache keyed on: format=2 device=cpu")
+        assert f.readline().startswith("# vllm-flydsl-indexer node cache keyed on: format=3 device=cpu")
         return {
             tuple(int(r[c]) for c in ("batch_size", "next_n", "heads", "head_dim", "kv_block_size")): r
             for r in csv.DictReader(f)

@@ -5,14 +5,15 @@ One public name has meant several kernels, so :func:`find_kernel` identifies wha
 module constants and the wrapper's source, never the name alone, as a :class:`KernelVariant` carrying that
 API's contract and launch: ``dispatcher`` (aiter's tuned dispatcher, PR #6140; preferred), ``gfx950`` (the
 gfx950 kernel with ``next_n_lens``; its automatic SplitKV syncs the host, so every launch passes one from
-shapes), ``general`` (PR #4221's kernel) or, beside a kernel, ``gfx950-entry`` (aiter's ``_gfx950`` entry).
-Two revisions aiter moved past are refused (:data:`UNSUPPORTED`); anything else keeps stock with the reason
-(``docs/aiter-kernels.md``). Importing aiter can raise more than ImportError: every probe catches anything.
+shapes) or ``general`` (PR #4221's kernel). Two revisions aiter moved past are refused
+(:data:`UNSUPPORTED`); anything else keeps stock with the reason (``docs/aiter-kernels.md``). A
+``flydsl_fp8_paged_mqa_logits_gfx950`` beside the general kernel (two unreleased aiter revisions, f33a573e
+and 6c1c496c; later aiter made the name an alias of the gfx950 kernel) is not used: the general kernel is.
+Importing aiter can raise more than ImportError: every probe catches anything.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -36,9 +37,6 @@ BLOCK_OUTER_NOTE = (
 WORKGROUPS_PER_CU = 3
 TUNER_WG_PER_CU = (1, 2, 3, 4)
 KERNEL_NAME = "flydsl_fp8_paged_mqa_logits"
-# aiter f33a573e/6c1c496c: an entry beside the general kernel; its automatic SplitKV, ``ceil(cu * 8 / B)``.
-ENTRY_NAME = "flydsl_fp8_paged_mqa_logits_gfx950"
-ENTRY_WORKGROUPS_PER_CU = 8
 # Probed in order after the dispatcher: the re-export, the PR branch's module, earlier revisions.
 KERNEL_MODULES = (
     "aiter.ops.flydsl",
@@ -85,8 +83,6 @@ class KernelVariant:
     dispatch_objection: Callable[[tuple, bool], str | None] | None = None
     # FlyDSL itself with ``fn``'s signature, for the self-test, where ``fn`` is not the kernel.
     flydsl: Callable[..., object] | None = None
-    # aiter's ``_gfx950`` entry beside this kernel (:func:`identify_entry`), run only where measured faster.
-    entry: KernelVariant | None = None
 
     def shape_violation(
         self, heads: int, head_dim: int, block_size: int, index_dim: int, next_n: int
@@ -157,8 +153,6 @@ class KernelVariant:
         """A launch's keyword arguments, from shapes only: KVBlockSize, Preshuffle (``block_size > 1``) and,
         for the gfx950 API, aiter's dispatcher's SplitKV at ``wg_per_cu`` (a tuned row's; ``0``: default)."""
         kwargs: dict[str, object] = {"Preshuffle": block_size > 1, "KVBlockSize": block_size}
-        if self.name == "gfx950-entry":  # it takes no Preshuffle keyword (a TypeError)
-            del kwargs["Preshuffle"]
         if self.split_kv_workgroups_per_cu is not None:
             wg = wg_per_cu or self.split_kv_workgroups_per_cu
             kwargs["SplitKV"] = explicit_split_kv(cus, batch, max_model_len, block_size, wg)
@@ -269,26 +263,6 @@ def identify_flydsl(fn: Callable, module: ModuleType | None, location: str) -> K
     return KernelVariant("gfx950", fn, location, "gfx950-specialised FlyDSL kernel", *contract)
 
 
-def identify_entry(fn: Callable, module: ModuleType, location: str) -> KernelVariant | str:
-    """aiter's ``_gfx950`` entry (keyword-only KVBlockSize and SplitKV, no Preshuffle or next_n_lens; heads
-    from ``SUPPORTED_HEADS`` or ``NUM_HEADS``, next_n up to ``NEXT_N_MAX``), or why ``fn`` is not it."""
-    if isinstance(params := parameters_of(fn), str):
-        return params
-    keyword_only = {n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    if not {"KVBlockSize", "SplitKV"} <= keyword_only or {"Preshuffle", "next_n_lens"} & set(params):
-        return "not the _gfx950 entry's signature"
-    home = importlib.import_module(fn.__module__)
-    heads = _ints(getattr(home, "SUPPORTED_HEADS", None) or getattr(home, "NUM_HEADS", None))
-    names = ("HEAD_DIM", "KV_BLOCK_SIZE", "NEXT_N_MAX")
-    head_dim, block, next_n = (_ints(getattr(home, n, None)) for n in names)
-    if None in (heads, head_dim, block, next_n) or len(head_dim) != 1 or len(next_n) != 1:
-        return "its module lacks readable SUPPORTED_HEADS/NUM_HEADS, HEAD_DIM, KV_BLOCK_SIZE, NEXT_N_MAX"
-    (dim,), (most,) = head_dim, next_n
-    contract = (heads, head_dim, block, dim + SCALE_BYTES, most, True, ENTRY_WORKGROUPS_PER_CU)
-    description = "aiter's _gfx950 FlyDSL entry (no Preshuffle keyword)"
-    return KernelVariant("gfx950-entry", fn, location, description, *contract)
-
-
 def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | str:
     """aiter's tuned dispatcher in ``module`` (identified by its functions, not its name), or why not."""
     names = ("paged_mqa_logits", "get_paged_mqa_logits_config", "run_paged_mqa_logits", "flydsl_supports")
@@ -330,20 +304,6 @@ def identify_dispatcher(module: ModuleType, location: str) -> KernelVariant | st
     )
 
 
-def _with_entry(variant: KernelVariant) -> KernelVariant:
-    """``variant`` with aiter's ``_gfx950`` entry beside it where one is exported (never the dispatcher)."""
-    for path in () if variant.own_table else KERNEL_MODULES:
-        try:
-            module = importlib.import_module(path)
-            fn = getattr(module, ENTRY_NAME, None)
-            entry = identify_entry(fn, module, f"{path}.{ENTRY_NAME}") if callable(fn) else None
-        except Exception:  # noqa: BLE001 - no entry: the variant alone
-            continue
-        if isinstance(entry, KernelVariant) and fn is not variant.fn:
-            return dataclasses.replace(variant, entry=entry)
-    return variant
-
-
 def find_kernel() -> tuple[KernelVariant | None, str]:
     """The dispatcher if aiter has it, else the first FlyDSL kernel found, and what each probe found;
     never raises."""
@@ -364,6 +324,6 @@ def find_kernel() -> tuple[KernelVariant | None, str]:
         except Exception as e:  # noqa: BLE001 - any import or probe failure is a reason
             found = f"{type(e).__name__}: {e}"
         if isinstance(found, KernelVariant):
-            return _with_entry(found), "found"
+            return found, "found"
         problems.append(f"{path}: {found}")
     return None, "; ".join(problems)

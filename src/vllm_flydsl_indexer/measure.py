@@ -7,21 +7,21 @@
   warm-up decode step (Model Runner V2's ``warmup_kernels``, before capture) leaves serving decided. A
   bucket first seen in graph capture stays stock, unmemoised; one first seen once vLLM serves (its
   workspace locked after capture) stays stock with one INFO line naming ``tune --model``.
-* **What is timed** (:func:`figures`): stock and each FlyDSL route (self-tested first) on one problem,
+* **What is timed** (:func:`figures`): stock and the FlyDSL route (self-tested first) on one problem,
   ``bucket`` sequences at AMD's tuner contexts clamped to ``max_model_len`` over the live cache's pages, q
   and weights from a private generator, logits in vLLM's workspace. On a GPU each candidate, after its
   untimed first call (the compile), is captured as a graph of :data:`GRAPH_CALLS` calls and its replays are
-  timed with device events: no launcher cost, as vLLM replays decode. A candidate that will not capture
+  timed with device events: no launcher cost, as vLLM replays decode. An arm that will not capture
   is queued behind a device-side delay, so its launches wait for the device, not the host. The CPU
-  simulation has neither and times the wall clock. :data:`ROUNDS` rounds interleave the candidates; a
-  round's figure is each candidate's time over stock's (geomean over the contexts), and the verdict is on
+  simulation has neither and times the wall clock. :data:`ROUNDS` rounds interleave the arms; a
+  round's figure is FlyDSL's time over stock's (geomean over the contexts), and the verdict is on
   the median round, which with an odd count holds the margin only where most rounds do. The self-test
   covers the timing contexts before they are timed: its small problem (``selftest.MAX_BYTES``) proves
-  SplitKV's extremes and block edges; then the same self-test runs each candidate on one synthetic
-  sequence at each context (about 132 bytes a token: 4.3 MB at 32k), with the same launches, once per
-  shape, kernel and context; a disagreement fails the shape as the self-test does, and leaves no row.
+  SplitKV's extremes and block edges; then the same self-test runs FlyDSL on one synthetic sequence at
+  each context (about 132 bytes a token: 4.3 MB at 32k), with the same launches, once per shape and
+  context; a disagreement fails the shape as the self-test does, and leaves no row.
 * **One unit:** what a rank brings to the TP group's agreement (the router's ``_agree``: one MAX, every
-  rank, once per call signature) is each candidate's time over stock's, ``inf`` for none; a cached row
+  rank, once per call signature) is FlyDSL's time over stock's, ``inf`` for stock; a cached FlyDSL row
   brings its recorded ratio, a table's FlyDSL pick ``1 / MARGIN``. The slowest rank counts, so a cache
   never outvotes a measurement; FlyDSL must beat stock by :data:`MARGIN`.
 * **Cached per node** (:func:`cache_key`): the device name, gfx, CUs, aiter, flydsl, vLLM, torch and
@@ -29,8 +29,8 @@
   whose version cannot be read is measured, never cached. Every rank writes what it measured, and only
   that (:func:`write_cache`: atomically, never through a link, in a directory only this user can write). A
   row whose figures are not positive and finite, contradict its backend or repeat a key with another
-  verdict is corrupt: one WARNING, and the bucket is measured again. A failed or untimed candidate leaves
-  no row, so a restart tests it again.
+  verdict is corrupt: one WARNING, and the bucket is measured again. A failed self-test leaves no row, so
+  a restart tests it again.
 """
 
 from __future__ import annotations
@@ -66,10 +66,8 @@ MAX_EXTRA_BYTES = 64 * 2**20
 AGREE_TIMEOUT_S = 300.0
 TRITON = ("triton", "pytorch-triton-rocm")  # Gluon's compiler: Triton's distributions
 CACHE_DIR = "flydsl_indexer"
-CACHE_FORMAT = 2
+CACHE_FORMAT = 3  # 3: FlyDSL's general launch alone is measured (2 also timed aiter's _gfx950 entry)
 KEY_PREFIX = f"{tuning.COMMENT} vllm-flydsl-indexer node cache keyed on: "  # a cache file's first line
-BACKENDS = ("flydsl", tuning.ENTRY)  # the candidates, in the order of a rank's ratios
-NONE = [math.inf, math.inf]  # no candidate: stock
 TOLERANCE = 1e-3  # a cached figure's rounding
 # Why a bucket stays stock; IN_CAPTURE is not memoised (an eager call decides the bucket later).
 NOT_MEASURED = "not yet measured on this GPU: stock"
@@ -233,8 +231,9 @@ def summarise(samples: list[list[list[float]]]) -> tuple[float, list[float]]:
     return stock, [median_round(lambda c, i=i: c[i] / c[0]) for i in range(1, len(samples[0][0]))]
 
 
-def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list) -> tuple[float, list[float]]:
-    """Stock's seconds per call and each route's time over stock's (``inf`` where ``None``) on one problem."""
+def figures(router, args: tuple, compress_ratio: int, bucket: int, route) -> tuple[float, float]:
+    """Stock's seconds per call and FlyDSL's (``route``) time over stock's on one problem; ``(nan, inf)``
+    where FlyDSL failed its self-test at a timing context."""
     q, kv, _, lens, _, _, max_model_len = args
     _, next_n, heads, head_dim = q.shape
     block_size, device, rows = kv.shape[1], q.device, bucket * next_n
@@ -246,7 +245,7 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
     dims, u8 = (bucket, next_n, heads, head_dim), torch.uint8  # q drawn as bytes: no wider temporary
     qb = torch.randint(1, 64, dims, dtype=u8, device=device, generator=rng)
     wb = torch.rand(rows, heads, device=device, generator=rng)
-    timed, samplers = [r for r in routes if r is not None], []
+    samplers = []
     original = functools.partial(router.original, compress_ratio=compress_ratio)
     for context in contexts:
         pages = -(-context // block_size)
@@ -254,47 +253,41 @@ def figures(router, args: tuple, compress_ratio: int, bucket: int, routes: list)
         ends = torch.arange(1 - next_n, 1, dtype=torch.int32, device=device).add_(context).repeat(bucket, 1)
         bounds = ends if lens.dim() == 2 else ends[:, -1].contiguous()
         problem = (qb.view(q.dtype), kv, wb, bounds, tables.view(bucket, pages), None, max_model_len)
-        if any(router._tested(r, args, compress_ratio, context) for r in timed):  # before it is timed
-            return math.nan, list(NONE)  # a failed self-test at this context: the shape stays stock
+        if router._tested(route, args, compress_ratio, context):  # before it is timed
+            return math.nan, math.inf  # a failed self-test at this context: the shape stays stock
         out = router.hooks.output_buffer(rows, max_model_len)
-        arms = [functools.partial(original, *problem)]
-        arms += [
-            functools.partial(router._flydsl, r.fn or router.variant.fn, r.kwargs, problem, out)
-            for r in timed
-        ]
+        flydsl = functools.partial(router._flydsl, router.variant.fn, route.kwargs, problem, out)
+        arms = (functools.partial(original, *problem), flydsl)
         samplers.append([_sampler(arm, device) for arm in arms])
-    arms = len(samplers[0])
-    samples = [[[0.0] * arms for _ in contexts] for _ in range(ROUNDS)]
-    for r, c, k in itertools.product(range(ROUNDS), range(len(contexts)), range(arms)):
-        i = (r + k) % arms  # interleaved: each round starts from another arm
+    samples = [[[0.0, 0.0] for _ in contexts] for _ in range(ROUNDS)]
+    for r, c, k in itertools.product(range(ROUNDS), range(len(contexts)), range(2)):
+        i = (r + k) % 2  # interleaved: each round starts from another arm
         samples[r][c][i] = samplers[c][i]()
     stock, ratios = summarise(samples)
-    return stock, [ratios.pop(0) if r is not None else math.inf for r in routes]
+    return stock, ratios[0]
 
 
-def settle(ratios: list[float]) -> str | None:
-    """The candidate the (agreed) ratios take, or ``None`` for stock: the faster one, beating stock by
-    :data:`MARGIN`."""
-    best = min(range(len(BACKENDS)), key=lambda i: ratios[i])
-    return BACKENDS[best] if ratios[best] * MARGIN <= 1 + 1e-9 else None
+def settle(ratio: float) -> bool:
+    """Whether FlyDSL's (agreed) time over stock's beats stock by :data:`MARGIN`."""
+    return ratio * MARGIN <= 1 + 1e-9
 
 
-def local(router, args: tuple, compress_ratio: int, routes_for) -> tuple[tuple | str, list[float]]:
+def local(router, args: tuple, compress_ratio: int, route_for) -> tuple[tuple | str, float]:
     """This rank's verdict on a bucket no table covers, from this node's cache or a measurement, and the
-    ratios it brings to the agreement. Never raises and never a collective. ``routes_for(bucket)``: the
-    general FlyDSL launch and the ``_gfx950`` entry's (``None`` where it does not apply). A shape's first
-    call here (per context) decides every other bucket up to the largest decode batch too (its rows kept
-    for their own first calls), so a warm-up call leaves serving decided, within the budget."""
+    ratio it brings to the agreement. Never raises and never a collective. ``route_for(bucket)``: FlyDSL's
+    launch at that batch. A shape's first call here (per context) decides every other bucket up to the
+    largest decode batch too (its rows kept for their own first calls), so a warm-up call leaves serving
+    decided, within the budget."""
     (batch, next_n, heads, head_dim), kv = args[0].shape, args[1]
     key, contexts = (cu_count(args[0].device), next_n, heads, head_dim, kv.shape[1]), contexts_of(args[6])
     buckets = [bucket_of(batch)]
     if (key, contexts) not in router.swept:  # the first call: every bucket this process can serve
         router.swept.add((key, contexts))
         buckets += [1 << i for i in range(router.hooks.max_batch().bit_length()) if 1 << i != buckets[0]]
-    return [_bucket(router, args, compress_ratio, routes_for(b), (key, b, contexts)) for b in buckets][0]
+    return [_bucket(router, args, compress_ratio, route_for(b), (key, b, contexts)) for b in buckets][0]
 
 
-def _bucket(router, args: tuple, compress_ratio: int, routes: list, at: tuple) -> tuple:
+def _bucket(router, args: tuple, compress_ratio: int, route, at: tuple) -> tuple:
     """:func:`local` for the bucket ``at``: ``(shape key, bucket, contexts)``."""
     (cus, next_n, heads, head_dim, block), bucket, device = at[0], at[1], args[0].device
     shape = (heads, head_dim, block, next_n)
@@ -309,9 +302,10 @@ def _bucket(router, args: tuple, compress_ratio: int, routes: list, at: tuple) -
                 router.logger.warning("%s node cache: %s; those buckets are measured again", envs.HEAD, lines)
         row = router.node[2].get(at)
         if row is not None and shape not in router.failed:  # read from the file, or measured by this process
-            ratio = float(row["flydsl_us"]) / float(row["gluon_us"])
-            ratios = [ratio if b == row["backend"] else math.inf for b in BACKENDS]
-            return (row["backend"], bucket, 0, None, row.get("source", "this node's cache")), ratios
+            ratio = (
+                float(row["flydsl_us"]) / float(row["gluon_us"]) if row["backend"] == "flydsl" else math.inf
+            )
+            return (row["backend"], bucket, 0, None, row.get("source", "this node's cache")), ratio
         why = (
             router.failed.get(shape)
             or (not router.tune and f"{NOT_MEASURED} ({envs.TUNE}=0)")
@@ -319,34 +313,29 @@ def _bucket(router, args: tuple, compress_ratio: int, routes: list, at: tuple) -
             or (router.spent >= PROCESS_BUDGET_S and f"{NOT_MEASURED} (this process's budget is spent)")
         )
         if why:
-            return why, list(NONE)
+            return why, math.inf
         began = time.perf_counter()
-        tested = [r if r and router._tested(r, args, compress_ratio) is None else None for r in routes]
-        if shape in router.failed or not any(tested):  # a failed kernel fails the shape: nothing timed
-            return router.failed.get(shape) or f"{NOT_MEASURED} (no FlyDSL candidate)", list(NONE)
-        stock, ratios = figures(router, args, compress_ratio, bucket, tested)
-        router.spent += time.perf_counter() - began
-        if shape in router.failed:  # a self-test failed at a timing context: no row and no ratio, so the
-            # group keeps stock as this rank does
-            return router.failed[shape], list(NONE)
+        if router._tested(route, args, compress_ratio) is None:  # a failed kernel is never timed
+            stock, ratio = figures(router, args, compress_ratio, bucket, route)
+            router.spent += time.perf_counter() - began
+        if shape in router.failed:  # its self-test failed (at a timing context too): no row and no ratio,
+            # so the group keeps stock as this rank does
+            return router.failed[shape], math.inf
     except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
         line = f"measuring {name} raised {type(e).__name__}: {e}; it stays stock"
         router.logger.warning("%s %s", envs.HEAD, line)
-        return f"{NOT_MEASURED} (the measurement raised {type(e).__name__})", list(NONE)
-    pick, us, best = settle(ratios) or "gluon", stock * 1e6, min(ratios)
+        return f"{NOT_MEASURED} (the measurement raised {type(e).__name__})", math.inf
+    pick, us = "flydsl" if settle(ratio) else "gluon", stock * 1e6
     if rank0:
-        timed = [f"{b} {us * r:.2f} us" for b, r in zip(BACKENDS, ratios, strict=True) if r < math.inf]
-        line = (
-            f"measured {name} on this GPU (gluon {us:.2f} us, {', '.join(timed)}; median of {ROUNDS} rounds)"
-        )
+        timed = f"gluon {us:.2f} us, flydsl {us * ratio:.2f} us; median of {ROUNDS} rounds"
+        line = f"measured {name} on this GPU ({timed})"
         router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick)
     row = dict(zip(tuning.COLUMNS, (
         router.gfx, cus, bucket, *at[0][1:], at[0][4] > 1, at[2], pick, 0, 0, 0,
-        round(us if pick == "gluon" else us * best, 4), round(us, 4), round(us * best, 4),
+        round(us * ratio if settle(ratio) else us, 4), round(us, 4), round(us * ratio, 4),
     ), strict=True), source="this node's measurement")  # fmt: skip
-    if best < math.inf and all((r is None) == (f == math.inf) for r, f in zip(routes, ratios, strict=True)):
-        router.node[2][at] = row  # every candidate timed: the bucket's other batches reuse it
-        why = router.node[0] and write_cache(router.node[0], router.node[1], [row])
-        if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
-            router.logger.warning_once("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
-    return (pick, bucket, 0, None, row["source"]), ratios
+    router.node[2][at] = row  # timed: the bucket's other batches reuse it
+    why = router.node[0] and write_cache(router.node[0], router.node[1], [row])
+    if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
+        router.logger.warning_once("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
+    return (pick, bucket, 0, None, row["source"]), ratio

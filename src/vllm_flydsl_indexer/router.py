@@ -31,7 +31,6 @@ from vllm_flydsl_indexer import measure, selftest
 from vllm_flydsl_indexer.envs import HEAD, STOCK_CALL_LINE, TABLE_IGNORED_LINE
 from vllm_flydsl_indexer.kernels import (
     BLOCK_OUTER_NOTE,
-    ENTRY_NAME,
     TUNER_WG_PER_CU,
     KernelVariant,
     cu_count,
@@ -40,7 +39,7 @@ from vllm_flydsl_indexer.kernels import (
     shape_of,
 )
 from vllm_flydsl_indexer.target import StockHooks, multi_row_objection
-from vllm_flydsl_indexer.tuning import ENTRY, TunedTable
+from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
@@ -102,19 +101,13 @@ def pick_objection(router: FlyDSLRouter, pick: tuple | str | None, args: tuple) 
     """Why the agreed ``pick`` (:meth:`FlyDSLRouter.decide`) keeps this call on stock, or ``None``."""
     if pick is None or isinstance(pick, str):
         return pick
-    q, kv, w, lens, bt, _, _ = args
-    variant = router.variant
     backend, bucket, wg_per_cu, conflict, where = pick
-    shape, kernel = describe(shape_of(q, kv)), variant.entry if backend == ENTRY else variant
+    shape = describe(shape_of(args[0], args[1]))
     if backend == "gluon":
         return f"{where} measured stock (Gluon) faster at batch {bucket} of {shape}"
-    if conflict is not None or kernel is None:
-        return (
-            f"{where}: {conflict or f'it picks {ENTRY_NAME}, which this aiter does not export'} for {shape}"
-        )
-    problem = kernel.knob_problem(wg_per_cu) or (
-        kernel is not variant and kernel.violation(q, kv, w, lens, bt)
-    )
+    if conflict is not None:
+        return f"{where}: {conflict} for {shape}"
+    problem = router.variant.knob_problem(wg_per_cu)
     return f"{where} measured FlyDSL with {problem}" if problem else None
 
 
@@ -128,7 +121,6 @@ class Route:
     kwargs: dict[str, object] = field(default_factory=dict)
     facts: tuple = ()  # the call's facts (FlyDSLRouter.call_from) the verdict was decided on
     bounds: str = ""  # the kind of bounds: "(B,)" or "(B, next_n)"
-    fn: Callable | None = None  # aiter's _gfx950 entry where a measurement picked it; else the variant's
     source: str = "no table: FlyDSL wherever eligible"  # what decided FlyDSL
     ready: bool = False  # compiled outside capture and announced: the plain fast path applies
     rows: int = 0  # the logits buffer's rows, batch * next_n (q's shape is in the memo key)
@@ -231,16 +223,16 @@ class FlyDSLRouter:
             group, capturing = self.hooks.tp_group()[0], self.is_capturing()
             if capturing and group is not None:  # no collective inside capture: an eager call agrees later
                 return measure.IN_CAPTURE
-            local, ratios = self._local(args, compress_ratio, capturing)
+            local, ratio = self._local(args, compress_ratio, capturing)
             if local == measure.IN_CAPTURE:
                 return local
-            self.verdicts[signature] = local if group is None else self._agree(group, local, ratios)
+            self.verdicts[signature] = local if group is None else self._agree(group, local, ratio)
         return self.verdicts[signature]
 
-    def _local(self, args: tuple, compress_ratio: int, capturing: bool) -> tuple[tuple | str | None, list]:
-        """This rank's verdict and the ratios it brings to the agreement: the table's (dropped, with one
+    def _local(self, args: tuple, compress_ratio: int, capturing: bool) -> tuple[tuple | str | None, float]:
+        """This rank's verdict and the ratio it brings to the agreement: the table's (dropped, with one
         line, if none of its rows are for this CU count), else this node's cache or measurement."""
-        q, kv, w, lens, bt, _, max_model_len = args
+        q, kv, _, lens, _, _, max_model_len = args
         table, cus = self.table, cu_count(q.device)
         if table is not None and cus not in (counts := sorted(table.cu_counts())):
             line = (
@@ -255,42 +247,39 @@ class FlyDSLRouter:
             pick = (*pick, f"{table.name} on {table.gfx} with {cus} CUs")
         elif self.tune is not None:
             if capturing:
-                return measure.IN_CAPTURE, measure.NONE
-            entry = self.variant.entry
-            fits = entry is not None and entry.violation(q, kv, w, lens, bt) is None
+                return measure.IN_CAPTURE, math.inf
             bounds, block = "(B, next_n)" if lens.dim() == 2 else "(B,)", kv.shape[1]
-            routes = lambda bucket: [  # noqa: E731 - each bucket's launches (SplitKV follows the batch)
-                Route(None, shape_of(q, kv), None, kernel.launch_kwargs(bucket, block, max_model_len, cus),
-                      bounds=bounds, fn=fn) if ok else None
-                for kernel, fn, ok in ((self.variant, None, True), (entry, entry and entry.fn, fits))
-            ]  # fmt: skip
-            return measure.local(self, args, compress_ratio, routes)
+            kwargs = functools.partial(
+                self.variant.launch_kwargs, block_size=block, max_model_len=max_model_len, cus=cus
+            )
+            route = lambda bucket: Route(None, shape_of(q, kv), None, kwargs(bucket), bounds=bounds)  # noqa: E731
+            return measure.local(self, args, compress_ratio, route)
         # A table's FlyDSL pick (or none: FlyDSL wherever eligible) brings the margin's ratio, stock none.
-        backend = "flydsl" if pick is None else pick[0] if pick[3] is None else "gluon"
-        return pick, [1 / measure.MARGIN if b == backend else math.inf for b in measure.BACKENDS]
+        flydsl = pick is None or (pick[0] == "flydsl" and pick[3] is None)
+        return pick, 1 / measure.MARGIN if flydsl else math.inf
 
-    def _agree(self, group, local: tuple | str | None, ratios: list[float]) -> tuple | str | None:
+    def _agree(self, group, local: tuple | str | None, ratio: float) -> tuple | str | None:
         """The router's one collective: every rank of the TP group reaches it once per call signature, at
         its first eager call, whatever it holds (a table, a cache, a measurement, ``TUNE=0``, a failed
-        self-test or measurement: the rules before it read only shapes). One MAX over each candidate's
-        time over stock's (``inf``: not this one), so the slowest rank counts and a cache never outvotes a
+        self-test or measurement: the rules before it read only shapes). One MAX over FlyDSL's time over
+        stock's (``inf``: stock), so the slowest rank counts and a cache never outvotes a
         measurement. The wait is bounded by ``measure.AGREE_TIMEOUT_S``: past it this rank keeps stock for
         every signature not yet agreed and never waits on the group again (a late peer's operation still
         pairs with the one left pending, so the group's order of operations holds)."""
         try:
             if self.gave_up:  # a peer missed an agreement: never wait on the group again
                 return self.gave_up
-            reduced = torch.tensor(ratios, dtype=torch.float64)
+            reduced = torch.tensor([ratio], dtype=torch.float64)
             work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
             work.wait(timedelta(seconds=measure.AGREE_TIMEOUT_S))
-            taken = measure.settle(reduced.tolist())
+            taken = measure.settle(reduced.item())
         except Exception as e:  # noqa: BLE001 - no agreement: stock on this rank, for good
             why = f"the TP group's agreement failed ({type(e).__name__}: {e})"
             self.logger.warning("%s %s; every batch not yet agreed stays stock", HEAD, why)
             self.gave_up = f"{measure.NOT_MEASURED} ({why})"
             return self.gave_up
-        if taken is not None:
-            return None if local is None else (taken, *local[1:])
+        if taken:
+            return None if local is None else ("flydsl", *local[1:])
         if isinstance(local, str) or (local is not None and local[0] == "gluon"):
             return local
         return "the TP group keeps stock: on its slowest rank FlyDSL does not beat stock by the margin"
@@ -312,7 +301,7 @@ class FlyDSLRouter:
 
     def _memoise(self, key: tuple, args: tuple, compress_ratio: int, caller, facts: tuple = ()) -> Route:
         """The rules' verdict on a new call signature, kept while the memo has room (not from capture)."""
-        q, kv, w, lens, bt, _, max_model_len = args
+        q, kv, _, lens, _, _, max_model_len = args
         shape = shape_of(q, kv) if q.dim() == 4 and kv.dim() == 4 else None
         reason, pick = objection(self, args, compress_ratio, caller), None
         if reason is None:  # every rank of a TP group gets here, failed shape or not
@@ -323,13 +312,11 @@ class FlyDSLRouter:
             route = Route(reason)
             self.logger.info_once("%s %s", STOCK_CALL_LINE, reason, scope="process")
         else:
-            kernel = self.variant.entry if pick and pick[0] == ENTRY else self.variant
-            kwargs = kernel.launch_kwargs(
+            kwargs = self.variant.launch_kwargs(
                 q.shape[0], kv.shape[1], max_model_len, cu_count(q.device), pick[2] if pick else 0
             )
             bounds = "(B, next_n)" if lens.dim() == 2 else "(B,)"
-            fn = kernel.fn if kernel is not self.variant else None
-            route = Route(None, shape, caller, kwargs, facts, bounds, fn, *pick[4:] if pick else ())
+            route = Route(None, shape, caller, kwargs, facts, bounds, *pick[4:] if pick else ())
             route.rows = q.shape[0] * q.shape[1]
         if len(self.routes) < MAX_MEMOISED_VERDICTS and reason != measure.IN_CAPTURE:
             self.routes[key] = route
@@ -337,7 +324,7 @@ class FlyDSLRouter:
 
     def _first_calls(self, route: Route, args: tuple, compress_ratio: int) -> torch.Tensor | None:
         """A route's first calls (the capture guard, the self-test): FlyDSL's answer, or ``None``."""
-        untested = self.self_test and (route.shape, route.bounds, route.fn) not in self.self_tests
+        untested = self.self_test and (route.shape, route.bounds) not in self.self_tests
         if self.is_capturing() and (route.shape not in self.compiled or untested):
             # FlyDSL JIT-compiles a shape on its first call, and the self-test allocates and syncs:
             # neither may happen inside graph capture, so this graph keeps stock.
@@ -354,10 +341,10 @@ class FlyDSLRouter:
         return self._launch(route, args)
 
     def _tested(self, route: Route, args: tuple, compress_ratio: int, context: int = 0) -> str | None:
-        """The self-test, once per shape, bounds and kernel, and once per timing context the measurement
-        meets (``context``: on one sequence that long): ``None`` if passed or off (failed: stock)."""
+        """The self-test, once per shape and bounds, and once per timing context the measurement meets
+        (``context``: on one sequence that long): ``None`` if passed or off (failed: stock)."""
         lengths = [context] if context else []  # none: the small problem
-        key = (route.shape, route.bounds, route.fn, *lengths)
+        key = (route.shape, route.bounds, *lengths)
         if self.self_test and key not in self.self_tests:
             self.self_tests[key] = problem = self._self_test(route, args, compress_ratio, lengths)
             if problem is not None:
@@ -385,7 +372,7 @@ class FlyDSLRouter:
             launches = {"forced through aiter's dispatcher": {**kwargs, "live": args}}
         else:
             launches = {"at its default launch": kwargs}
-        fn = route.fn or self.variant.flydsl or self.variant.fn
+        fn = self.variant.flydsl or self.variant.fn
         try:
             stock = functools.partial(self.original, compress_ratio=compress_ratio)
             launch = {name: functools.partial(self._flydsl, fn, knobs) for name, knobs in launches.items()}
@@ -404,7 +391,7 @@ class FlyDSLRouter:
         q, kv, w, lens, bt, _, max_model_len = args
         out = self.hooks.output_buffer(route.rows, max_model_len)
         try:
-            (route.fn or self.variant.fn)(
+            self.variant.fn(
                 q, kv, w, out, self.hooks.per_sequence_lens(lens), bt, max_model_len, **route.kwargs
             )
         except ARGUMENT_ERRORS as e:
@@ -425,9 +412,8 @@ class FlyDSLRouter:
             # Compiled outside capture: announced once per shape, and fast from now on.
             self.compiled.add(route.shape)
             route.ready = True
-            tested = self.self_tests.get((route.shape, route.bounds, route.fn), "") is None
-            location = self.variant.entry.location if route.fn else self.variant.location
-            where = f"caller {route.caller or 'unknown'}; {location}; {route.source}"
+            tested = self.self_tests.get((route.shape, route.bounds), "") is None
+            where = f"caller {route.caller or 'unknown'}; {self.variant.location}; {route.source}"
             where += "; self-test passed" if tested else ""
             self.logger.info_once(
                 "%s FlyDSL taken for %s (%s)", HEAD, describe(route.shape), where, scope="process"

@@ -33,8 +33,6 @@ KEY_COLUMNS = COLUMNS[:8]
 SIZE_COLUMNS = ("cu_num", "batch_size", "next_n", "heads", "head_dim", "kv_block_size")
 # aiter's reader skips lines starting with this.
 COMMENT = "#"
-# A row's backend naming aiter's ``flydsl_fp8_paged_mqa_logits_gfx950`` entry (this package's rows only).
-ENTRY = "flydsl_gfx950"
 # $VLLM_FLYDSL_INDEXER_TUNED_CSV=none (or another of OFF_VALUES; trimmed, case-insensitive): no table at all.
 OFF_VALUES = ("none", "off", "0", "false")
 # The built-in table: AMD's MI355X measurements (aiter PR #6140 at 39029932), shipped as package data with
@@ -66,7 +64,7 @@ def usable_row(row: dict) -> tuple[str, tuple, int, str, int] | None:
     gfx = arch_of(cells["gfx"])
     if min(cus, batch, next_n, heads, head_dim, kvb) < 1 or preshuffle is not (kvb > 1) or not gfx.isalnum():
         return None  # no call can match a preshuffle other than KVBlockSize > 1
-    if backend not in ("flydsl", "gluon", ENTRY):
+    if backend not in ("flydsl", "gluon"):
         return None
     wg = int(float(cells["wg_per_cu"])) if backend == "flydsl" else 0
     return gfx, (cus, next_n, heads, head_dim, kvb), batch, backend, wg

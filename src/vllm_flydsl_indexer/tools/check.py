@@ -300,10 +300,10 @@ def render(
         ]
     elif paths.router.self_tests:
         lines += ["", SELF_TEST_SECTION]
-        for (shape, bounds, fn), problem in paths.router.self_tests.items():
+        for (shape, bounds, *context), problem in paths.router.self_tests.items():
             said = "passed" if problem is None else f"FAILED ({problem}): this configuration stays stock"
-            entry = " (aiter's _gfx950 entry)" if fn is not None else ""
-            lines.append(f"  {describe(shape)} bounds {bounds}{entry}: {said}")
+            at = f" at context {context[0]}" if context else ""
+            lines.append(f"  {describe(shape)} bounds {bounds}{at}: {said}")
     behaviours = behaviours or []
     self_tests = self_tests or []
     if behaviours:

@@ -329,7 +329,7 @@ def describe(table: tuning.TunedTable) -> list[dict[str, object]]:
         entries = []
         for batch in sorted(buckets):
             backend, _, wg_per_cu, conflict = table.choice(cus, batch, next_n, heads, head_dim, block_size)
-            arm = backend if backend in ("flydsl", tuning.ENTRY) and conflict is None else "stock"
+            arm = backend if backend == "flydsl" and conflict is None else "stock"
             entry: dict[str, object] = {"batch_at_least": batch, "arm": arm}
             if backend == "flydsl":
                 entry["wg_per_cu"] = wg_per_cu

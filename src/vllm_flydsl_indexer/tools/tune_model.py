@@ -82,7 +82,7 @@ TOOL = f"{settings.PROG} tune"
 MEASURED = "measured now on this node"
 CACHED = "cached (an earlier run on this node)"
 NOT_CACHED = f"{MEASURED}, NOT cached"
-WINNERS = {"gluon": "stock (Gluon)", "flydsl": "FlyDSL", tuning.ENTRY: "FlyDSL (_gfx950 entry)"}
+WINNERS = {"gluon": "stock (Gluon)", "flydsl": "FlyDSL"}
 NOTHING = f"{TOOL}: nothing can be measured here"
 
 
@@ -312,13 +312,12 @@ def main(args: argparse.Namespace) -> int:
     router = paths.make_router(table=table, tune=True, gfx=gfx)
     timing = "device events" if gpu else "the wall clock: a simulation, no GPU"
     units = f"{cus} CU{'s' * (cus != 1)}"
-    entry = f"; beside it {variant.entry.location}" if variant.entry else ""
     note = f"note:    {envs.TUNED_CSV} is off: serving takes FlyDSL where eligible and ignores this cache"
     for line in (
         f"model:   {model.label} ({model_type}): heads={heads} head_dim={head_dim} ({shape_source})",
         f"next_n:  {', '.join(map(str, next_ns))} ({next_source}); KVBlockSize {block}, preshuffled",
         f"device:  {gfx}, {units} ({where}); timed with {timing}, contexts clamped to {max_model_len}",
-        f"kernel:  {variant.location} ({variant.name}){entry}",
+        f"kernel:  {variant.location} ({variant.name})",
         f"stock:   {paths.label}",
         f"tables:  {table_label}",
         *[note] * off,
@@ -368,9 +367,8 @@ def main(args: argparse.Namespace) -> int:
             else:
                 row.source, file = _table_source(router.table)
                 us = _figures(file).get((cus, tuned, next_n, heads, head_dim, block))
-            if conflict or (backend == tuning.ENTRY and variant.entry is None):
-                why = conflict or f"this aiter exports no {WINNERS[backend]}"
-                row.winner, row.source = "stock", f"{row.source}: {why}"
+            if conflict:
+                row.winner, row.source = "stock", f"{row.source}: {conflict}"
                 continue
             row.speedup = us[1] / us[0] if us and us[0] > 0 and math.isfinite(us[1] / us[0]) else None
         unwritten = _unwritten(cache, stack, gfx, cus, router, buckets)
