@@ -151,9 +151,7 @@ def test_tune_measures_deepseek_v32_buckets_once_and_caches_them(tmp_path):
     with open(path) as f:
         rows = list(csv.DictReader(f))
     assert sorted(int(r["batch_size"]) for r in rows) == [1, 2, 4] and {r["heads"] for r in rows} == {"64"}
-    assert all(
-        r["backend"] in ("gluon", "flydsl") and float(r["gluon_us"]) > 0 for r in rows
-    )
+    assert all(r["backend"] in ("gluon", "flydsl") and float(r["gluon_us"]) > 0 for r in rows)
     second = run([*args, "--max-batch", "4"], env)
     assert second.returncode == 0 and second.stdout.count(CACHED) == 3, second.stdout
     assert MEASURED not in second.stdout

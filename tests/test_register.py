@@ -364,7 +364,7 @@ def test_register_never_raises(monkeypatch, fresh_register, plugin_log, target, 
     fresh_register()
     assert_untouched(target, original)
     msgs = lines(plugin_log)
-    assert len(msgs) == 1 and "unexpected RuntimeError during registration: boom" in msgs[0]
+    assert len(msgs) == 1 and "unexpected error during registration: RuntimeError: boom" in msgs[0]
 
 
 # What vllm.logger raises on import, other than ImportError, in a fresh process; each is caught.

@@ -54,20 +54,14 @@ def register() -> None:
     from vllm_flydsl_indexer.envs import LOGGER_NAME, STOCK_LINE, get_logger
 
     # Never kill vLLM: whatever a probe raises (SystemExit too) leaves it as it was; only Ctrl-C goes on.
+    logger, during = logging.getLogger(LOGGER_NAME), "vllm.logger unusable"  # until vLLM's logger is had
     try:
-        logger = get_logger()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:  # noqa: BLE001 - vLLM's logger itself is broken: say so, go stock
-        fallback = logging.getLogger(LOGGER_NAME)
-        fallback.warning("%s vllm.logger unusable: %s: %s)", STOCK_LINE, type(e).__name__, e)
-        return
-    try:
+        logger, during = get_logger(), "unexpected error during registration"
         _register(logger)
     except KeyboardInterrupt:
         raise
-    except BaseException as e:  # noqa: BLE001
-        logger.warning("%s unexpected %s during registration: %s)", STOCK_LINE, type(e).__name__, e)
+    except BaseException as e:  # noqa: BLE001 - say so, go stock
+        logger.warning("%s %s: %s: %s)", STOCK_LINE, during, type(e).__name__, e)
 
 
 def _register(logger: logging.Logger) -> None:

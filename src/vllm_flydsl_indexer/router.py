@@ -12,7 +12,8 @@ calling module, never a tensor value: no host sync, the same inside graph captur
 * **The guards**: no first-time compile, self-test or measurement inside capture; a shape proves itself
   (:mod:`~vllm_flydsl_indexer.selftest`) at its first call outside capture; a failed shape stays stock.
 * **One net**: everything the router does runs in one ``try``; any exception gives stock's answer, one
-  ERROR, and the shape stays stock (an argument check, :data:`ARGUMENT_ERRORS`, only that signature).
+  ERROR, and the shape stays stock: a kernel that rejects a call its identified contract admits has a
+  contract this package does not know, so none of the shape is trusted.
 """
 
 from __future__ import annotations
@@ -43,9 +44,6 @@ from vllm_flydsl_indexer.tuning import TunedTable
 
 # Distinct call signatures (mostly batch sizes) whose verdicts are memoised.
 MAX_MEMOISED_VERDICTS = 4096
-# What aiter's wrappers raise from their argument checks, before anything is compiled or launched
-# (``assert``, ``raise ValueError``/``TypeError``): they reject that call signature only.
-ARGUMENT_ERRORS = (ValueError, TypeError, AssertionError)
 STAYS_STOCK = "This call and every later call of this shape use the stock path until vLLM restarts"
 
 
@@ -124,10 +122,6 @@ class Route:
     source: str = "no table: FlyDSL wherever eligible"  # what decided FlyDSL
     ready: bool = False  # compiled outside capture and announced: the plain fast path applies
     rows: int = 0  # the logits buffer's rows, batch * next_n (q's shape is in the memo key)
-
-
-def _versions() -> str:
-    return "flydsl {flydsl}, aiter {aiter}".format(**measure.stack_versions())
 
 
 def _is_capturing() -> bool:
@@ -394,17 +388,6 @@ class FlyDSLRouter:
             self.variant.fn(
                 q, kv, w, out, self.hooks.per_sequence_lens(lens), bt, max_model_len, **route.kwargs
             )
-        except ARGUMENT_ERRORS as e:
-            # The wrapper's argument check refused this call: only its signature's route stays stock.
-            route.ready = False
-            route.reason = f"FlyDSL rejected this call's arguments ({type(e).__name__}: {e})"
-            line = (
-                f"{self.variant.location} ({describe(route.shape)}) rejected a call's arguments: "
-                f"{type(e).__name__}: {e} ({_versions()}). Calls of this signature use the stock path "
-                "until vLLM restarts; the rest of this shape is unaffected."
-            )
-            self.logger.error_once("%s %s", HEAD, line, scope="process")
-            return None
         except Exception as e:  # noqa: BLE001 - a kernel that fails sends its shape to stock
             self._shape_failed(route.shape, f"raised {type(e).__name__}: {e}")
             return None
@@ -439,5 +422,6 @@ class FlyDSLRouter:
         self.failed[shape] = f"FlyDSL for {describe(shape)} earlier {problem}"
         self.compiled.discard(shape)
         self.routes.clear()  # every memoised route of this shape now says stock
-        where = f"{self.variant.location} ({describe(shape)}) {problem} ({_versions()})"
+        versions = "flydsl {flydsl}, aiter {aiter}".format(**measure.stack_versions())
+        where = f"{self.variant.location} ({describe(shape)}) {problem} ({versions})"
         self.logger.error("%s %s. %s.", HEAD, where, STAYS_STOCK)

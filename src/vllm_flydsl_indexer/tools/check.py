@@ -140,7 +140,7 @@ def run_case(
     except Exception as e:  # noqa: BLE001 - vLLM's own answer to a shape no kernel takes
         stock_out = e
 
-    taken, failed, rejected = router.calls_taken, len(router.failed), len(rejections(router))
+    taken, failed = router.calls_taken, len(router.failed)
     poison(rows, problem.max_model_len).fill_(float("nan"))
     with paths.with_dcp(router, case.dcp) if case.dcp != 1 else contextlib.nullcontext():
         try:
@@ -151,8 +151,6 @@ def run_case(
     kernel_error = None
     if len(router.failed) > failed:
         kernel_error = f"FlyDSL failed here: {next(reversed(router.failed.values()))}"
-    elif len(rejections(router)) > rejected:
-        kernel_error = f"FlyDSL rejected the call: {rejections(router)[-1]}"
     if isinstance(stock_out, Exception) or isinstance(patched_out, Exception):
         return raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_out)
 
@@ -183,11 +181,6 @@ def raised_result(case, expected, arm, rows, kernel_error, stock_out, patched_ou
     which = "the patched call" if raised is patched_out else "stock alone"
     error = kernel_error or f"{which} raised {type(raised).__name__}: {raised}"
     return CaseResult(case, expected, arm, rows, 0, 0, 0.0, *[False] * 4, error, ok=False)
-
-
-def rejections(router: FlyDSLRouter) -> list[str]:
-    """Why the kernel rejected a call's arguments, per route it rejected (in the router's memo)."""
-    return [r.reason for r in router.routes.values() if r.reason and r.reason.startswith("FlyDSL rejected")]
 
 
 Lookup = tuple[KernelVariant | None, str]  # find_kernel's answer: the variant (or None), and why
