@@ -13,7 +13,6 @@
 #   EXTRA_SERVE_ARGS [""]  extra `vllm serve` flags, split on spaces
 #   HEALTH_TIMEOUT [3600]  seconds to wait for /health
 # Passed through to vLLM as they are, if you set them:
-#   VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM=1  let a vLLM newer than 0.33.x through
 #   TUNED_CSV=FILE  an aiter-format tuned table (`vllm-flydsl-indexer tune --out FILE`),
 #     passed as VLLM_FLYDSL_INDEXER_TUNED_CSV: per shape FlyDSL or stock, measured
 #   VLLM_PLUGINS  if set, must include flydsl_indexer (checked before start)

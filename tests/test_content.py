@@ -5,8 +5,7 @@ is resolved.
 The doubles are a release's own target with one edit: the function compiled from a copy of its module's
 source with that edit (so the fingerprint reads what runs), over the installed module's globals; or a
 helper dropped from the installed module. A target that is no audited release's code stays stock, with one
-WARNING that names the vLLM version and what VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM=1 does; with that
-opt-in, the signature and the hooks alone decide.
+WARNING that names the vLLM version and the audited releases; there is no opt-in.
 """
 
 from __future__ import annotations
@@ -30,7 +29,6 @@ from vllm_flydsl_indexer.target import AUDITED, MARKER, TARGET_NAME, fingerprint
 
 STOCK = "vllm-flydsl-indexer: stock paged MQA logits (FlyDSL inactive: "
 ACTIVE = "vllm-flydsl-indexer: FlyDSL paged MQA logits ACTIVE"
-OPT_IN = f"{envs.ALLOW_UNTESTED_VLLM}=1 lets its signature and hooks alone decide"
 # An early return in front of Gluon, as a release that adds a route of its own would have (issue 43).
 ANCHOR = "    block_size = kv_cache_fp8.shape[1]\n"
 EARLY_RETURN = (
@@ -44,7 +42,7 @@ EARLY_RETURN = (
 def not_audited(version: str) -> str:
     """The target gate's reason for code that is no audited release's, on vLLM ``version``."""
     releases = ", ".join(release for release, _ in AUDITED.values())
-    return f"vLLM {version}'s {TARGET_NAME}: its code is none of the audited releases' ({releases}); {OPT_IN}"
+    return f"vLLM {version}'s {TARGET_NAME}: its code is none of the audited releases' ({releases})"
 
 
 def edit_def(source: str, *edits: str) -> str:
@@ -78,13 +76,11 @@ def edited(target, tmp_path: Path, *edits: str):
     return compiled(target, edit_def(Path(target.__file__).read_text(), *edits), tmp_path / "edited.py")
 
 
-def register_once(target, monkeypatch, fresh_register, plugin_log, fn, allow: bool = False) -> str:
-    """Register with the switch on (and the untested-vLLM opt-in where ``allow``) over ``fn`` as vLLM's
-    target; assert one line. Returns it; the patch is installed or not as the gates said."""
+def register_once(target, monkeypatch, fresh_register, plugin_log, fn) -> str:
+    """Register with the switch on over ``fn`` as vLLM's target; assert one line. Returns it; the patch is
+    installed or not as the gates said."""
     monkeypatch.setattr(target, TARGET_NAME, fn)
     monkeypatch.setenv(envs.SWITCH, "1")
-    if allow:
-        monkeypatch.setenv(envs.ALLOW_UNTESTED_VLLM, "1")
     fresh_register()
     assert len(plugin_log) == 1, [r.getMessage() for r in plugin_log]
     return plugin_log[0].getMessage()
@@ -102,7 +98,7 @@ def register_stock(target, monkeypatch, fresh_register, plugin_log, fn=None) -> 
 
 
 def test_the_installed_target_passes_and_its_hooks_hold_vllms_objects(target):
-    gate, module, hooks = gates.check_target(allow_untested=False)
+    gate, module, hooks = gates.check_target()
     release, form = AUDITED[content.fingerprint_of(vars(target)[TARGET_NAME])]
     assert gate == (
         "target",
@@ -121,7 +117,7 @@ def test_an_early_return_planted_in_each_release_keeps_stock(
 ):
     """Issue 43's hole: one extra branch in front of Gluon. The content audit let it through (every audited
     piece is still there); its fingerprint is no audited release's, so vLLM stays stock, with one WARNING
-    naming the version and the opt-in. With the opt-in, the signature and hooks alone decide."""
+    naming the version and the audited releases. An opt-in that once let such code through is gone."""
     source, origin = release_source(version)
     assert AUDITED[fingerprint_of_text(source, tmp_path / "release.py")][0] == version, origin
     planted = edit_def(source, ANCHOR, ANCHOR + EARLY_RETURN)
@@ -130,50 +126,21 @@ def test_an_early_return_planted_in_each_release_keeps_stock(
     installed = gates.vllm_version()
     assert register_stock(target, monkeypatch, fresh_register, plugin_log, fn) == not_audited(installed)
     assert gates.evaluate().reason == not_audited(installed)
-    monkeypatch.setattr(vllm_flydsl_indexer, "_registered", False)  # a second start-up
+    monkeypatch.setattr(vllm_flydsl_indexer, "_registered", False)  # a second start-up, with the old opt-in
     plugin_log.clear()
-    line = register_once(target, monkeypatch, fresh_register, plugin_log, fn, allow=True)
-    assert line.startswith(ACTIVE) and vars(target)[TARGET_NAME].__wrapped__ is fn, line
-    detail = dict((g[0], g[2]) for g in gates.evaluate().gates)["target"]
-    assert detail.endswith(f"is unaudited; {envs.ALLOW_UNTESTED_VLLM}=1 is set"), detail
-
-
-def test_the_opt_in_still_holds_the_hooks(target, monkeypatch, tmp_path, fresh_register, plugin_log):
-    """An unaudited target with the opt-in: a helper the hooks use gone keeps stock, naming it."""
-    fn = edited(target, tmp_path, ANCHOR, ANCHOR + EARLY_RETURN)
-    monkeypatch.delattr(target, "_per_sequence_context_lens")
-    monkeypatch.setenv(envs.ALLOW_UNTESTED_VLLM, "1")
-    assert register_stock(target, monkeypatch, fresh_register, plugin_log, fn).endswith(
-        "has no function _per_sequence_context_lens (the router uses it)"
-    )
-
-
-def test_the_opt_in_picks_the_preshuffle_form_from_the_module(target, monkeypatch, tmp_path):
-    """Unaudited code: ``Preshuffle`` by layout where the module has vLLM 0.34's layout helper, else by
-    size (the opt-in's guess, as the audited releases split)."""
-    fn = edited(target, tmp_path, ANCHOR, ANCHOR + EARLY_RETURN)
-    monkeypatch.setattr(target, TARGET_NAME, fn)
-    monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs >= 32, raising=False)
-    monkeypatch.setattr(target, "_ON_RDNA", False, raising=False)
-    (_, ok, _), _, hooks = gates.check_target(allow_untested=True)
-    assert ok and hooks.preshuffle(16) is False and hooks.preshuffle(32) is True
-    monkeypatch.delattr(target, "indexer_k_cache_is_shuffled")
-    (_, ok, _), _, hooks = gates.check_target(allow_untested=True)
-    assert ok and hooks.preshuffle(16) is True and hooks.preshuffle(1) is False
-    assert gates.check_target(allow_untested=False)[0][1] is False
+    monkeypatch.setenv("VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM", "1")
+    assert register_stock(target, monkeypatch, fresh_register, plugin_log, fn) == not_audited(installed)
 
 
 def test_a_target_without_readable_source_is_not_audited(target, monkeypatch, fresh_register, plugin_log):
-    """No source file (compiled from a string): no fingerprint, stock; the opt-in lets it through."""
+    """No source file (compiled from a string): no fingerprint, stock."""
     text = Path(target.__file__).read_text()
     namespace = dict(vars(target))
     exec(compile(ast.Module([target_def(text)], []), "<vllm built elsewhere>", "exec"), namespace)  # noqa: S102
     fn = namespace[TARGET_NAME]
     reason = register_stock(target, monkeypatch, fresh_register, plugin_log, fn)
     assert reason.startswith(f"vLLM {gates.vllm_version()}'s {TARGET_NAME}: its source is unreadable (")
-    assert reason.endswith(f"; {OPT_IN}"), reason
-    (_, ok, detail), _, _ = gates.check_target(allow_untested=True)
-    assert ok and detail.endswith("is unaudited; VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM=1 is set")
+    assert reason.endswith(")") and gates.check_target()[0][1] is False, reason
 
 
 # Formatting is not code: the fingerprint holds across it.
@@ -292,7 +259,7 @@ def test_the_targets_source_is_read_with_the_cap(target, monkeypatch, tmp_path, 
     reason = register_stock(target, monkeypatch, fresh_register, plugin_log, fn)
     assert reason == (
         f"vLLM {gates.vllm_version()}'s {TARGET_NAME}: its source is unreadable (OSError: {path} is larger "
-        f"than {content.MAX_READ_BYTES} bytes); {OPT_IN}"
+        f"than {content.MAX_READ_BYTES} bytes)"
     )
     # The read itself stops at the cap: a 256 MiB file (sparse) costs no more memory than the cap.
     huge = tmp_path / "huge.py"

@@ -210,13 +210,13 @@ def test_each_releases_entry_builds_the_preshuffle_its_gluon_call_passes(target,
     shuffled = set(random.Random(seed).sample(sizes, 3)) | {1}  # never block_size > 1's answer
     monkeypatch.setattr(target, "indexer_k_cache_is_shuffled", lambda bs: bs in shuffled, raising=False)
     monkeypatch.setattr(target, "_ON_RDNA", False, raising=False)
-    (_, ok, detail), _, hooks = gates.check_target(allow_untested=False)
+    (_, ok, detail), _, hooks = gates.check_target()
     assert ok and f"is vLLM {version}'s audited code" in detail, detail
     layout = tuple(int(x) for x in version.split(".")[:2]) >= (0, 34)
     wanted = {bs: bs in shuffled if layout else bs > 1 for bs in sizes}
     assert {bs: hooks.preshuffle(bs) for bs in sizes} == wanted, (seed, shuffled)
     monkeypatch.setattr(target, "_ON_RDNA", True)  # 0.34.0's "and not _ON_RDNA"
-    hooks = gates.check_target(allow_untested=False)[2]
+    hooks = gates.check_target()[2]
     assert {bs: hooks.preshuffle(bs) for bs in sizes} == {bs: not layout and bs > 1 for bs in sizes}, seed
 
 

@@ -132,7 +132,7 @@ def test_the_speed_grid_legend_says_bold_is_above_1_before_rounding():
 def test_the_readme_says_what_the_lean_runtime_does_and_no_longer_does():
     """Issue 43: the canary (VERIFY) is retired and doctor notes it; a failed shape stays stock until
     restart (the router's ERROR); an unaudited target (a fingerprint per release) stays stock naming the
-    opt-in; no run-time MXFP4 line (doctor --model says it)."""
+    audited releases, with no opt-in; no run-time MXFP4 line (doctor --model says it)."""
     from vllm_flydsl_indexer import envs, gates, router, target
     from vllm_flydsl_indexer.tools import doctor
 
@@ -147,11 +147,13 @@ def test_the_readme_says_what_the_lean_runtime_does_and_no_longer_does():
     assert "use the stock path until vLLM restarts" in router.STAYS_STOCK
     assert "stays stock until vLLM restarts, and its one ERROR says so" in readme
     assert "this shape uses the stock path until vLLM restarts" in readme
-    assert envs.ALLOW_UNTESTED_VLLM in gates.OPT_IN and len({r for r, _ in target.AUDITED.values()}) >= 3
+    assert len({r for r, _ in target.AUDITED.values()}) >= 3 and not hasattr(gates, "OPT_IN")
     assert (
         "a vLLM whose target function is not an audited release's code (a fingerprint per release) stays "
-        f"stock, with one WARNING naming the opt-in, `{envs.ALLOW_UNTESTED_VLLM}=1`." in readme
+        "stock, with one WARNING naming the audited releases; a release is supported once audited, and there "
+        "is no opt-in." in readme
     )
-    assert len(envs.ALL_VARIABLES) == 5 and "those of its five runtime variables" in readme
+    assert "ALLOW_UNTESTED" not in readme and "ALLOW_UNTESTED" not in " ".join(envs.ALL_VARIABLES)
+    assert len(envs.ALL_VARIABLES) == 4 and "those of its four runtime variables" in readme
     for gone in ("FlyDSL never runs for this model", "DISAGREE", "gfx950-early", "content audit"):
         assert gone not in readme, gone

@@ -10,15 +10,13 @@ from pathlib import Path
 
 # The switch: route eligible decode-logits calls to aiter's FlyDSL kernel.
 SWITCH = "VLLM_ROCM_USE_AITER_FLYDSL_PAGED_MQA_LOGITS"
-# Let a vLLM outside the tested window, or with an unaudited target, through on its signature and hooks.
-ALLOW_UNTESTED_VLLM = "VLLM_FLYDSL_INDEXER_ALLOW_UNTESTED_VLLM"
 # The per-shape self-test against stock; on unless set to 0/false.
 SELFTEST = "VLLM_FLYDSL_INDEXER_SELFTEST"
 # An aiter-format tuned CSV that picks FlyDSL or stock per shape (tuning.py).
 TUNED_CSV = "VLLM_FLYDSL_INDEXER_TUNED_CSV"
 # Time shapes no table covers on this GPU at their first eager call (measure.py); on unless 0/false.
 TUNE = "VLLM_FLYDSL_INDEXER_TUNE"
-ALL_VARIABLES = (SWITCH, ALLOW_UNTESTED_VLLM, SELFTEST, TUNED_CSV, TUNE)
+ALL_VARIABLES = (SWITCH, SELFTEST, TUNED_CSV, TUNE)
 ACCEPTED = ("1", "0", "true", "false")
 
 # Under the "vllm" logger, so vLLM's handler, format and VLLM_LOGGING_LEVEL apply.

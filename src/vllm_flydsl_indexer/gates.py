@@ -26,8 +26,6 @@ Gate = tuple[str, bool | None, str]
 SUPPORTED_VLLM = ((0, 32), (0, 34))
 # The plugin loads before any model config exists: doctor can tell whether the model calls the target.
 MODEL_HINT = "vllm-flydsl-indexer doctor --model MODEL tells whether yours does"
-ALLOWED = f"{envs.ALLOW_UNTESTED_VLLM}=1"
-OPT_IN = f"{ALLOWED} lets its signature and hooks alone decide"
 
 
 @dataclass
@@ -67,7 +65,7 @@ def vllm_version() -> str | None:
         return None
 
 
-def check_version(version: str | None, allow_untested: bool) -> Gate:
+def check_version(version: str | None) -> Gate:
     if version is None:
         return "vllm", False, "vLLM is not installed"
     m = re.match(r"^\s*(\d+)\.(\d+)", version)
@@ -77,10 +75,11 @@ def check_version(version: str | None, allow_untested: bool) -> Gate:
     window = f"{low[0]}.{low[1]}.x-{high[0]}.{high[1]}.x"
     if low <= parsed <= high:
         return "vllm", True, f"vLLM {version} is inside the tested window {window}"
-    if allow_untested and parsed > high:
-        return "vllm", True, f"vLLM {version} is outside the tested window {window}; allowed by {ALLOWED}"
-    hint = f" (set {envs.ALLOW_UNTESTED_VLLM}=1 to try a newer one)" if parsed > high else ""
-    return "vllm", False, f"vLLM {version} is outside the tested window {window}{hint}"
+    return (
+        "vllm",
+        False,
+        f"vLLM {version} is outside the tested window {window}: a release is supported once audited",
+    )
 
 
 def gcn_arch() -> str | None:
@@ -123,8 +122,9 @@ def _platform_gates() -> list[Gate]:
     return found + [(name, None, f"the {found[-1][0]} gate failed") for name in names[len(found) :]]
 
 
-def check_target(allow_untested: bool) -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
-    """The target's signature, fingerprint and hooks: the gate, and the module and hooks where it passes."""
+def check_target() -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
+    """The target's signature, fingerprint and hooks: the gate, and the module and hooks where it passes.
+    Code that is not an audited release's keeps stock: the router launches FlyDSL with what it passes."""
     where = f"{target.TARGET_MODULE}.{target.TARGET_NAME}"
     try:
         module = importlib.import_module(target.TARGET_MODULE)
@@ -135,16 +135,14 @@ def check_target(allow_untested: bool) -> tuple[Gate, ModuleType | None, target.
             audited = target.AUDITED.get(target.fingerprint_of(fn))
         except Exception as e:  # noqa: BLE001 - no readable source: no fingerprint
             audited, problem = None, f"its source is unreadable ({type(e).__name__}: {e})"
-        if audited is None and not allow_untested:
+        if audited is None:
             releases = ", ".join(release for release, _ in target.AUDITED.values())
             what = problem or f"its code is none of the audited releases' ({releases})"
-            detail = f"vLLM {vllm_version()}'s {target.TARGET_NAME}: {what}; {OPT_IN}"
-            return ("target", False, detail), None, None
-        layout = hasattr(module, "indexer_k_cache_is_shuffled")
-        hooks = target.vllm_stock_hooks(module, audited[1] if audited else "layout" if layout else "size")
+            return ("target", False, f"vLLM {vllm_version()}'s {target.TARGET_NAME}: {what}"), None, None
+        hooks = target.vllm_stock_hooks(module, audited[1])
     except Exception as e:  # noqa: BLE001
         return ("target", False, f"{where}: {type(e).__name__}: {e}"), None, None
-    how = f"is vLLM {audited[0]}'s audited code" if audited else f"is unaudited; {ALLOWED} is set"
+    how = f"is vLLM {audited[0]}'s audited code"
     if target.caller_release(target.TARGET_MODULE) is None:  # its caller's code read now, once per process
         how += f"; {target.multi_row_objection(target.TARGET_MODULE)}"
     return ("target", True, f"{where} has the supported signature and {how}"), module, hooks
@@ -154,8 +152,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
     """Run the gates in order; the first that fails is the reason. ``register()`` stops there;
     ``full=True`` (``doctor``) evaluates every later gate too, for the report, not the outcome."""
     switch, switch_error = envs.read_flag(envs.SWITCH, environ)
-    allow, allow_error = envs.read_flag(envs.ALLOW_UNTESTED_VLLM, environ)
-    warnings = [e for e in (switch_error, allow_error) if e]
+    warnings = [switch_error] if switch_error else []
     variant = module = hooks = None
 
     def run_gates():
@@ -165,7 +162,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         declared = envs.declared_by_vllm(table)
         what = f"vllm.envs declares {envs.SWITCH}" if declared else "vLLM does not route it itself"
         yield "in-tree", not declared, what
-        yield check_version(vllm_version(), allow)
+        yield check_version(vllm_version())
         cheap = _platform_gates()
         yield from cheap
         stopped = next((g for g in cheap if g[1] is False), None)
@@ -175,7 +172,7 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
             variant, reason = find_kernel()
             found = variant and f"found {variant.location}: {variant.name} ({variant.description})"
             yield "kernel", variant is not None, found or f"aiter has no usable FlyDSL kernel ({reason})"
-        gate, module, hooks = check_target(allow)
+        gate, module, hooks = check_target()
         yield gate
 
     gates: list[Gate] = []

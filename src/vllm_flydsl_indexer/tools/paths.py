@@ -157,7 +157,7 @@ def _vllm_target() -> tuple[ModuleType | None, StockHooks | None, str]:
         importlib.import_module(TARGET_MODULE)
     except Exception as e:  # noqa: BLE001 - no vLLM is a reason, not an error
         return None, None, f"vLLM unavailable ({type(e).__name__}: {e})"
-    (_, ok, detail), target, hooks = gates.check_target(envs.read_flag(envs.ALLOW_UNTESTED_VLLM)[0])
+    (_, ok, detail), target, hooks = gates.check_target()
     if not ok:
         return None, None, detail
     try:
