@@ -380,7 +380,8 @@ def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
     captured into a graph, and replayed with the measured knob (aiter.CALLS records what was passed)."""
     import aiter
 
-    from vllm_flydsl_indexer import kernels, selftest, tuning
+    from vllm_flydsl_indexer import kernels, tuning
+    from vllm_flydsl_indexer.tools import behaviour
 
     ws = Workspace(B * 2, MML, torch.device("cuda"))
     router, heads = variant_router("gfx950", ws, aiter_as)
@@ -406,7 +407,7 @@ def test_a_tuned_rows_split_kv_is_launched_without_sync_and_captured(aiter_as):
     assert expected_split != kernels.explicit_split_kv(cus, B, MML, KVB)  # the knob, not the default
     # The shape's self-test (first call, eager: SplitKV 1 and the largest any launch of the shape
     # reaches, clamped to the self-test problem's pages), then three calls, each with the row's knob.
-    top = min(selftest.width(KVB, 2)[1], kernels.explicit_split_kv(cus, 1, MML, KVB, 4))
+    top = min(behaviour.self_test_pages(KVB, 2), kernels.explicit_split_kv(cus, 1, MML, KVB, 4))
     assert [kw["SplitKV"] for name, kw in aiter.CALLS] == [1, top] + [expected_split] * 3
     assert router.calls_taken == 3 and router.calls_delegated == 0
     fresh = problem(31, heads=heads)

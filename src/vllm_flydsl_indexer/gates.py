@@ -19,7 +19,7 @@ from types import ModuleType
 
 from vllm_flydsl_indexer import envs, target
 from vllm_flydsl_indexer.envs import ACTIVE_LINE, IN_TREE_LINE, STOCK_LINE
-from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel
+from vllm_flydsl_indexer.kernels import KernelVariant, find_kernel, installed_version
 
 Gate = tuple[str, bool | None, str]
 # Tested vLLM releases: (major, minor) inclusive. Dev and local builds count.
@@ -59,10 +59,7 @@ class Decision:
 
 def vllm_version() -> str | None:
     """vLLM's version from package metadata (no ``import vllm``)."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+    return None if (version := installed_version(("vllm",))) == "unknown" else version
 
 
 def check_version(version: str | None) -> Gate:
@@ -123,15 +120,17 @@ def _platform_gates() -> list[Gate]:
 
 
 def check_target() -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
-    """The target's signature, fingerprint and hooks: the gate, and the module and hooks where it passes.
-    Code that is not an audited release's keeps stock: the router launches FlyDSL with what it passes."""
+    """The target's fingerprint (its exact code, its signature included) and hooks: the gate, and the module
+    and hooks where it passes. Code that is not an audited release's keeps stock: the router launches FlyDSL
+    with what it passes."""
     where = f"{target.TARGET_MODULE}.{target.TARGET_NAME}"
     try:
         module = importlib.import_module(target.TARGET_MODULE)
         fn = target.unpatched(vars(module).get(target.TARGET_NAME))
-        if (problem := target.signature_problem(fn)) is not None:
-            return ("target", False, f"{where}: {problem}"), None, None
-        try:
+        if not callable(fn):
+            return ("target", False, f"{where} is missing"), None, None
+        problem = None
+        try:  # its exact code, its signature included
             audited = target.AUDITED.get(target.fingerprint_of(fn))
         except Exception as e:  # noqa: BLE001 - no readable source: no fingerprint
             audited, problem = None, f"its source is unreadable ({type(e).__name__}: {e})"
@@ -145,7 +144,7 @@ def check_target() -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
     how = f"is vLLM {audited[0]}'s audited code"
     if target.caller_release(target.TARGET_MODULE) is None:  # its caller's code read now, once per process
         how += f"; {target.multi_row_objection(target.TARGET_MODULE)}"
-    return ("target", True, f"{where} has the supported signature and {how}"), module, hooks
+    return ("target", True, f"{where} {how}"), module, hooks
 
 
 def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> Decision:

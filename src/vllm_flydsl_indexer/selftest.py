@@ -97,12 +97,6 @@ def synthetic_lengths(block_size: int, next_n: int) -> list[int]:
     return [0, partial, 2 * block, 3 * block + partial]
 
 
-def width(block_size: int, next_n: int) -> tuple[int, int]:
-    """``(max_model_len, block table width)``: one spare block past the longest sequence."""
-    blocks = -(-max(synthetic_lengths(block_size, next_n)) // block_size) + 1
-    return blocks * block_size, blocks
-
-
 def synthetic(
     heads: int,
     head_dim: int,

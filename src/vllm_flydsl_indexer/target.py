@@ -23,7 +23,7 @@ from types import ModuleType
 
 TARGET_MODULE = "vllm.v1.attention.ops.rocm_aiter_mla_sparse"
 TARGET_NAME = "rocm_fp8_paged_mqa_logits"
-# The signature this package was written against (vLLM 0.32.0, 0.33.0 and 0.34.0).
+# The signature of the audited releases (vLLM 0.32.0, 0.33.0 and 0.34.0; their fingerprints hold it).
 TARGET_POSITIONAL = tuple(
     "q_fp8 kv_cache_fp8 weights context_lens block_tables schedule_metadata max_model_len".split()
 )
@@ -55,20 +55,6 @@ def parameters_of(fn: object) -> Mapping[str, inspect.Parameter] | str:
         return inspect.signature(fn).parameters
     except (TypeError, ValueError) as e:
         return f"signature unreadable ({e})"
-
-
-def signature_problem(fn: object) -> str | None:
-    """Why ``fn`` does not have the target signature, or ``None``."""
-    if not callable(fn):
-        return f"{TARGET_NAME} is missing"
-    if isinstance(params := parameters_of(fn), str):
-        return params
-    kinds = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
-    positional = tuple(p.name for p in params.values() if p.kind is kinds[0])
-    keyword_only = {p.name: p.default for p in params.values() if p.kind is kinds[1]}
-    if positional != TARGET_POSITIONAL or keyword_only != TARGET_KEYWORD_ONLY or len(params) != 8:
-        return f"signature {inspect.signature(fn)} differs from the one this package supports"
-    return None
 
 
 def unpatched(fn: Callable) -> Callable:

@@ -482,6 +482,11 @@ def expected_knobs(
     return knobs
 
 
+def self_test_pages(block_size: int, next_n: int) -> int:
+    """The self-test problem's block-table width: one spare block past its longest sequence."""
+    return -(-max(selftest.synthetic_lengths(block_size, next_n)) // block_size) + 1
+
+
 def self_test_knobs(
     contract: VariantContract, knobs: dict, block_size: int, next_n: int, max_model_len: int, cus: int
 ) -> list[dict]:
@@ -493,7 +498,7 @@ def self_test_knobs(
         return [knobs]
     most = max(contract.split_kv_wg_per_cu, *TUNER_WG_PER_CU)
     top = expected_split_kv(cus, 1, max_model_len, block_size, most)
-    top = min(selftest.width(block_size, next_n)[1], top)
+    top = min(self_test_pages(block_size, next_n), top)
     return [{**knobs, "SplitKV": split} for split in sorted({1, top})]
 
 
