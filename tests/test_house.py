@@ -111,19 +111,15 @@ def test_the_tools_mark_their_public_names_and_the_runtime_does_not():
 # package but __main__.py; code lines only (a line that is not blank, not a comment and not inside a module,
 # class or function docstring), so docstrings and comments are never squeezed to fit; every class statement
 # (ast.ClassDef). Issue 49 pins code lines instead of all lines and asked for at most 1,500. Issue 44 left
-# 1,450; issue 49's measurement as serving runs it (graph replays in interleaved rounds, +60), its one
-# bounded agreement over every call signature (+45), a node cache keyed on the whole stack whose rows are
-# validated and written atomically and privately (+45), and the audited callers' own fingerprints (+23) came
-# to 1,593 after trimming (the tuned table's memo went, the router's version string is measure's). Issue 51
-# (DCP read at decision, the buffer's rows memoised, the facts read inline, a shorter failure path) left
-# 1,583; a first memo level keyed on the cache alone measured no gain and went. The self-test at the
-# measurement's timing contexts (+8) and the signature read in one place (-7: target.parameters_of) left
-# 1,590. Issue 49 item 4 (a shape's first measurement decides every bucket up to max_num_seqs: the
-# max_batch hook, measure.local's sweep, +10 net) left 1,600. The pin is where issue 49 left it, 100 over
-# its ask: the next cut is a concept (issue 49's closing notes name them), not a squeeze. 10 modules,
+# 1,450; issue 49's measurement as serving runs it, its one bounded agreement, the node cache keyed on the
+# whole stack and the callers' fingerprints, issue 51's hot path and issue 49 item 4's sweep came to 1,600.
+# The sixth session reached the ask by dropping concepts, not squeezing: aiter's _gfx950 entry as a second
+# measured candidate (-60: two unreleased aiter revisions; later aiter aliases the name), the per-signature
+# scope of a kernel's argument errors (-13), the opt-in for unaudited vLLM (-10: the mission keeps unaudited
+# code stock), the signature check the fingerprint already covers (-9), and small merges. 10 modules,
 # 7 classes.
 ISSUE_49_ASK = {"modules": 10, "code_lines": 1500, "classes": 8}
-MAX_PLUGIN_CODE_LINES = 1600
+MAX_PLUGIN_CODE_LINES = 1500
 MAX_PLUGIN_CLASSES = 7
 
 
@@ -166,7 +162,7 @@ def test_code_lines_leave_out_docstrings_comments_and_blanks():
 def test_the_runtime_wing_stays_small():
     size = wing_size()
     assert size["modules"] <= MAX_PLUGIN_MODULES == ISSUE_49_ASK["modules"], size
-    assert size["code_lines"] <= MAX_PLUGIN_CODE_LINES, size
+    assert size["code_lines"] <= MAX_PLUGIN_CODE_LINES == ISSUE_49_ASK["code_lines"], size
     assert size["classes"] <= MAX_PLUGIN_CLASSES <= ISSUE_49_ASK["classes"], size
 
 

@@ -79,11 +79,6 @@ def getter(name: str) -> Callable[[], str | None]:
     return fn
 
 
-def declared_by_vllm(table: object, name: str = SWITCH) -> bool:
-    """Whether vLLM's own ``environment_variables`` declares ``name`` (not through this package)."""
-    return isinstance(table, dict) and name in table and not getattr(table[name], OWN_GETTER, False)
-
-
 def get_logger() -> logging.Logger:
     """vLLM's logger for the plugin; ``register()`` catches what importing ``vllm.logger`` raises."""
     from vllm.logger import init_logger

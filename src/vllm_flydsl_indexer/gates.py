@@ -129,9 +129,8 @@ def check_target() -> tuple[Gate, ModuleType | None, target.StockHooks | None]:
         fn = target.unpatched(vars(module).get(target.TARGET_NAME))
         if not callable(fn):
             return ("target", False, f"{where} is missing"), None, None
-        problem = None
         try:  # its exact code, its signature included
-            audited = target.AUDITED.get(target.fingerprint_of(fn))
+            audited, problem = target.AUDITED.get(target.fingerprint_of(fn)), None
         except Exception as e:  # noqa: BLE001 - no readable source: no fingerprint
             audited, problem = None, f"its source is unreadable ({type(e).__name__}: {e})"
         if audited is None:
@@ -158,7 +157,9 @@ def evaluate(environ: dict[str, str] | None = None, *, full: bool = False) -> De
         nonlocal variant, module, hooks
         yield "switch", switch, f"{envs.SWITCH}=1" if switch else envs.off_reason(envs.SWITCH, environ)
         table = getattr(sys.modules.get("vllm.envs"), "environment_variables", None)
-        declared = envs.declared_by_vllm(table)
+        # Declared by vLLM itself, not through the getters this package adds (``envs.OWN_GETTER``).
+        declared = isinstance(table, dict) and envs.SWITCH in table
+        declared = declared and not getattr(table[envs.SWITCH], envs.OWN_GETTER, False)
         what = f"vllm.envs declares {envs.SWITCH}" if declared else "vLLM does not route it itself"
         yield "in-tree", not declared, what
         yield check_version(vllm_version())

@@ -302,9 +302,8 @@ def _bucket(router, args: tuple, compress_ratio: int, route, at: tuple) -> tuple
                 router.logger.warning("%s node cache: %s; those buckets are measured again", envs.HEAD, lines)
         row = router.node[2].get(at)
         if row is not None and shape not in router.failed:  # read from the file, or measured by this process
-            ratio = (
-                float(row["flydsl_us"]) / float(row["gluon_us"]) if row["backend"] == "flydsl" else math.inf
-            )
+            flydsl = row["backend"] == "flydsl"  # a stock row brings no candidate
+            ratio = float(row["flydsl_us"]) / float(row["gluon_us"]) if flydsl else math.inf
             return (row["backend"], bucket, 0, None, row.get("source", "this node's cache")), ratio
         why = (
             router.failed.get(shape)
