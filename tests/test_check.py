@@ -479,9 +479,11 @@ def test_vllm_target_says_why_vllms_own_function_is_not_used(target, monkeypatch
 
     monkeypatch.setattr(target, "rocm_fp8_paged_mqa_logits", drifted)
     found, why = paths.vllm_target()
-    assert found is None and why.endswith(
-        "rocm_fp8_paged_mqa_logits: its code is none of the audited releases' (0.32.0, 0.33.0, 0.34.0)"
-    ), why
+    # A def that is not at its file's top level has no fingerprint: not audited code, whatever its signature.
+    assert (
+        found is None
+        and "rocm_fp8_paged_mqa_logits: its source is unreadable (LookupError: no def drifted" in why
+    )
 
 
 def test_check_in_a_patched_process_compares_against_the_original(installed, workspace, target):
