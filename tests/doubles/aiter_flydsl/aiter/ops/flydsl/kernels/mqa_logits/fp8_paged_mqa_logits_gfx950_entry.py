@@ -9,10 +9,8 @@ passed). Raises ValueError as the real wrapper does unless heads are in
 e4m3 and the cache uint8 ``(*, 64, 1, 132)``; reduces ``context_lens`` to one
 length per sequence with ``reshape(B)``. Its automatic SplitKV reads the CU
 count only (shapes), like the real one. Writes the general kernel's window.
-``DELAY_S`` makes it slower by a known amount (the measurement tests).
+The plugin never launches it (since the sixth session): the double exists to prove that it is left alone.
 """
-
-import time
 
 import torch
 
@@ -23,7 +21,6 @@ SUPPORTED_HEADS = (32, 64)
 HEAD_DIM = 128
 KV_BLOCK_SIZE = 64
 NEXT_N_MAX = 2
-DELAY_S = 0.0
 
 
 def flydsl_fp8_paged_mqa_logits_gfx950(
@@ -54,8 +51,6 @@ def flydsl_fp8_paged_mqa_logits_gfx950(
         cus = TotalCuCount or 256
         SplitKV = max(1, min(-(-max_model_len // KV_BLOCK_SIZE), -(-cus * 8 // batch)))
     aiter.CALLS.append(("flydsl-gfx950-entry", {"SplitKV": SplitKV, "KVBlockSize": KVBlockSize}))
-    if DELAY_S:
-        time.sleep(DELAY_S)
     return flydsl_contract_reference(
         q_fp8, kv_cache, weights, out_logits, context_lens, kv_indices, max_model_len,
         Preshuffle=True, KVBlockSize=KVBlockSize,
