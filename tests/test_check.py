@@ -164,11 +164,11 @@ MUTATIONS = {
     # Both guards go (the timing past a failed self-test, and the failed shape's return after it): the
     # second alone would still time the failed kernel, the first alone would cache nothing.
     "a kernel that failed its self-test timed and cached": (
-        "compress_ratio) is None:  # a failed kernel is never timed\n"
+        "compress_ratio)) is None:  # a failed kernel: not timed\n"
         "            stock, ratio = figures(router, args, compress_ratio, bucket, route)\n"
         "            router.spent += time.perf_counter() - began\n"
-        "        if shape in router.failed:",
-        "compress_ratio) is None or True:\n"
+        "        if problem or shape in router.failed:",
+        "compress_ratio)) is None or True:\n"
         "            stock, ratio = figures(router, args, compress_ratio, bucket, route)\n"
         "            router.spent += time.perf_counter() - began\n"
         "        if False:",

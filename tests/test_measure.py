@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import math
 import os
 import random
@@ -421,6 +422,16 @@ def test_a_kernel_that_fails_its_self_test_is_never_timed_and_leaves_no_row(cach
     router(*batch(2))
     assert router.spent == 0 and stock.calls == 1 and flydsl.calls == 0
     assert router.failed and not path().exists()
+
+
+def test_a_self_test_problem_is_the_reason_even_where_the_shape_is_not_marked_failed(cache_root, plugin_log):
+    """The measurement trusts the self-test's answer itself, not only ``router.failed``: the bucket's reason
+    is the problem, nothing is timed and nothing raises (a raise there once left a TP peer waiting)."""
+    router = make(Arm(SLOW), Arm(FAST))
+    router._tested = lambda *a: "planted self-test failure"
+    router(*batch(2))
+    assert list(router.verdicts.values()) == ["planted self-test failure"] and router.spent == 0
+    assert not [r.getMessage() for r in plugin_log if r.levelno >= logging.WARNING]
 
 
 def rows_of_one():

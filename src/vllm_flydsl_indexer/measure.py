@@ -314,27 +314,28 @@ def _bucket(router, args: tuple, compress_ratio: int, route, at: tuple) -> tuple
         if why:
             return why, math.inf
         began = time.perf_counter()
-        if router._tested(route, args, compress_ratio) is None:  # a failed kernel is never timed
+        if (problem := router._tested(route, args, compress_ratio)) is None:  # a failed kernel: not timed
             stock, ratio = figures(router, args, compress_ratio, bucket, route)
             router.spent += time.perf_counter() - began
-        if shape in router.failed:  # its self-test failed (at a timing context too): no row and no ratio,
-            # so the group keeps stock as this rank does
-            return router.failed[shape], math.inf
-    except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock
+        if problem or shape in router.failed:  # its self-test failed (at a timing context too): no row and
+            # no ratio, so the group keeps stock as this rank does
+            return router.failed.get(shape, problem), math.inf
+        pick, us = "flydsl" if settle(ratio) else "gluon", stock * 1e6
+        if rank0:
+            timed = f"gluon {us:.2f} us, flydsl {us * ratio:.2f} us; median of {ROUNDS} rounds"
+            line = f"measured {name} on this GPU ({timed})"
+            router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick)
+        row = dict(zip(tuning.COLUMNS, (
+            router.gfx, cus, bucket, *at[0][1:], at[0][4] > 1, at[2], pick, 0, 0, 0,
+            round(us * ratio if settle(ratio) else us, 4), round(us, 4), round(us * ratio, 4),
+        ), strict=True), source="this node's measurement")  # fmt: skip
+        router.node[2][at] = row  # timed: the bucket's other batches reuse it
+        why = router.node[0] and write_cache(router.node[0], router.node[1], [row])
+        if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
+            router.logger.warning_once("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
+        return (pick, bucket, 0, None, row["source"]), ratio
+    except Exception as e:  # noqa: BLE001 - a failed measurement leaves the bucket stock; never raises,
+        # so every rank reaches the agreement
         line = f"measuring {name} raised {type(e).__name__}: {e}; it stays stock"
         router.logger.warning("%s %s", envs.HEAD, line)
         return f"{NOT_MEASURED} (the measurement raised {type(e).__name__})", math.inf
-    pick, us = "flydsl" if settle(ratio) else "gluon", stock * 1e6
-    if rank0:
-        timed = f"gluon {us:.2f} us, flydsl {us * ratio:.2f} us; median of {ROUNDS} rounds"
-        line = f"measured {name} on this GPU ({timed})"
-        router.logger.info("%s %s: %s on this rank", envs.HEAD, line, pick)
-    row = dict(zip(tuning.COLUMNS, (
-        router.gfx, cus, bucket, *at[0][1:], at[0][4] > 1, at[2], pick, 0, 0, 0,
-        round(us * ratio if settle(ratio) else us, 4), round(us, 4), round(us * ratio, 4),
-    ), strict=True), source="this node's measurement")  # fmt: skip
-    router.node[2][at] = row  # timed: the bucket's other batches reuse it
-    why = router.node[0] and write_cache(router.node[0], router.node[1], [row])
-    if why and rank0 and why not in router.node[3]:  # said once: a refused directory was at the read
-        router.logger.warning_once("%s node cache %s not written: %s", envs.HEAD, router.node[0], why)
-    return (pick, bucket, 0, None, row["source"]), ratio
